@@ -1,0 +1,73 @@
+"""Collective communication built only from point-to-point send/recv.
+
+Drop-in for the ``torch.distributed`` collectives::
+
+    import collectives as dist          # instead of: import torch.distributed as dist
+    dist.init_process_group()           # gloo point-to-point underneath
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+See ``collectives/ring.py`` for the ring algorithms, ``tree.py`` for the small-message ones,
+``direct.py`` for scatter/gather/all-to-all, and ``transport/`` for the wire.
+"""
+
+from .api import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    gather,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+)
+from . import trace
+from .errors import CollectiveError, CollectiveTimeoutError
+from .group import (
+    BACKENDS,
+    Group,
+    destroy_process_group,
+    get_default_group,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+)
+from .launch import LaunchError, launch
+from .ops import SUPPORTED_DTYPES, ReduceOp
+from .work import Work
+
+__all__ = [
+    "BACKENDS",
+    "SUPPORTED_DTYPES",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "Group",
+    "LaunchError",
+    "ReduceOp",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "gather",
+    "get_default_group",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "launch",
+    "new_group",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+]

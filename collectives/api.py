@@ -1,0 +1,485 @@
+"""The public collectives, shaped like ``torch.distributed``'s.
+
+Each function does three things, in this order:
+
+1. checks its arguments and raises ``TypeError`` / ``ValueError`` *before any traffic*, so a bad
+   call fails on the rank that made it instead of leaving its peers waiting;
+2. takes contiguous flat views of the tensors (copying non-contiguous ones, and writing results
+   back into the original view only);
+3. queues the work on the group's FIFO executor and either waits (default) or returns a
+   :class:`~collectives.work.Work` handle (``async_op=True``).
+
+``src`` / ``dst`` are global ranks, as in torch. Tensors passed with ``async_op=True`` must not be
+touched until ``wait()`` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from . import debug, trace
+from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
+from .errors import CollectiveError
+from .group import Group, _resolve, mark_broken
+from .ops import SUPPORTED_DTYPES, ReduceOp, check_dtype, check_op_dtype
+from .work import Work
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------- argument checks
+
+
+def _check_tensor(t: object, op_name: str, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op_name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    check_dtype(t.dtype, op_name)
+    if t.is_sparse:
+        raise TypeError(f"{op_name}: {what} is sparse; only dense tensors are supported")
+    return t
+
+
+def _check_list(ts: object, op_name: str, what: str, length: int, like: torch.Tensor) -> list[torch.Tensor]:
+    if not isinstance(ts, (list, tuple)):
+        raise TypeError(f"{op_name}: {what} must be a list of tensors, got {type(ts).__name__}")
+    if len(ts) != length:
+        raise ValueError(f"{op_name}: {what} has {len(ts)} tensors; the group has {length} ranks")
+    for i, t in enumerate(ts):
+        _check_tensor(t, op_name, f"{what}[{i}]")
+        _check_same(t, like, op_name, f"{what}[{i}]")
+    return list(ts)
+
+
+def _check_same(t: torch.Tensor, like: torch.Tensor, op_name: str, what: str, numel: bool = True) -> None:
+    if t.dtype != like.dtype:
+        raise TypeError(f"{op_name}: {what} has dtype {t.dtype}, expected {like.dtype}")
+    if t.device != like.device:
+        raise ValueError(f"{op_name}: {what} is on {t.device}, expected {like.device}")
+    if numel and t.numel() != like.numel():
+        raise ValueError(f"{op_name}: {what} has {t.numel()} elements, expected {like.numel()}")
+
+
+def _check_algorithm(algorithm: str, allowed: tuple[str, ...], op_name: str) -> None:
+    if algorithm not in allowed:
+        raise ValueError(f"{op_name}: unknown algorithm {algorithm!r}; expected one of {allowed}")
+
+
+def _check_async(async_op: object, op_name: str) -> None:
+    if not isinstance(async_op, bool):
+        raise TypeError(f"{op_name}: async_op must be a bool, got {type(async_op).__name__}")
+
+
+# ---------------------------------------------------------------------------- flat views
+
+
+@contextlib.contextmanager
+def _flat(t: torch.Tensor, write_back: bool = True) -> Iterator[torch.Tensor]:
+    """A contiguous 1-D view of ``t``; for a non-contiguous ``t`` a copy that is written back."""
+    if t.is_contiguous():
+        yield t.view(-1)
+        return
+    flat = t.contiguous().view(-1)
+    yield flat
+    if write_back:
+        t.copy_(flat.view_as(t))
+
+
+@contextlib.contextmanager
+def _flats(ts: Sequence[torch.Tensor], write_back: bool) -> Iterator[list[torch.Tensor]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(_flat(t, write_back)) for t in ts]
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+_ITEMSIZE = {str(d): d.itemsize for d in SUPPORTED_DTYPES}
+
+
+def _submit(g: Group, op_name: str, fn: Callable[[], None], async_op: bool, signature: debug.Signature) -> Work | None:
+    """Run ``fn`` on the group's queue; turn communication failures into a broken group."""
+    if g.broken is not None:
+        raise CollectiveError(f"{op_name}: group {g.name} is unusable after an earlier failure: {g.broken}", op=op_name)
+    label = trace.current_label()  # read on the submitting thread
+
+    def run() -> None:
+        tracer = trace.active()
+        start = time.perf_counter_ns() if tracer is not None else 0
+        try:
+            if debug.enabled():
+                debug.check_agreement(g, signature)
+            fn()
+        except CollectiveError as exc:
+            mark_broken(g, exc)
+            raise
+        finally:
+            if tracer is not None:
+                nbytes = signature[2] * _ITEMSIZE.get(signature[1], 0)
+                args = {"op": op_name, "group": g.name, "bytes": nbytes, "async": async_op}
+                tracer.add(label or op_name, "collective", start, time.perf_counter_ns(), args)
+
+    if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
+        log.debug("%s on %s (rank %d)", debug.describe(signature), g.name, g.rank)
+    work = g.executor.submit(Work(op_name), run, async_op)
+    return work if async_op else None
+
+
+def _engine(g: Group, t: torch.Tensor, op_name: str):
+    return g.engine(t.device, op_name)
+
+
+# ---------------------------------------------------------------------------- collectives
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    algorithm: str = "auto",
+) -> Work | None:
+    """Reduce ``tensor`` across all ranks of the group, in place; every rank gets the result.
+
+    The result is bitwise identical on every rank. ``algorithm``: ``"ring"`` (bandwidth-optimal,
+    ``2(n-1)α + 2(n-1)/n·Sβ``), ``"recursive_doubling"`` (latency-optimal, ``log2(n)(α + Sβ)``),
+    or ``"auto"`` (by size).
+    """
+    name = "all_reduce"
+    g, op = _resolve(group), ReduceOp.coerce(op)
+    _check_tensor(tensor, name)
+    check_op_dtype(op, tensor.dtype, name)
+    _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
+    _check_async(async_op, name)
+    engine = _engine(g, tensor, name)
+
+    def run() -> None:
+        with _flat(tensor) as buf, engine.transport_op(name):
+            engine.all_reduce(buf, op, algorithm)
+
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, op))
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    algorithm: str = "auto",
+) -> Work | None:
+    """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every rank of the group."""
+    name = "broadcast"
+    g = _resolve(group)
+    _check_tensor(tensor, name)
+    root = g.group_rank(src, "src", name)
+    _check_algorithm(algorithm, BROADCAST_ALGORITHMS, name)
+    _check_async(async_op, name)
+    engine = _engine(g, tensor, name)
+
+    def run() -> None:
+        with _flat(tensor, write_back=g.rank != root) as buf, engine.transport_op(name):
+            engine.broadcast(buf, root, algorithm)
+
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, root=root))
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    algorithm: str = "auto",
+) -> Work | None:
+    """Reduce ``tensor`` across the group onto global rank ``dst`` (in place there).
+
+    Unlike gloo, the tensors of the other ranks are left unchanged.
+    """
+    name = "reduce"
+    g, op = _resolve(group), ReduceOp.coerce(op)
+    _check_tensor(tensor, name)
+    check_op_dtype(op, tensor.dtype, name)
+    root = g.group_rank(dst, "dst", name)
+    _check_algorithm(algorithm, REDUCE_ALGORITHMS, name)
+    _check_async(async_op, name)
+    engine = _engine(g, tensor, name)
+
+    def run() -> None:
+        with contextlib.ExitStack() as stack:
+            if g.rank == root:
+                buf = stack.enter_context(_flat(tensor))
+            else:  # our algorithms use the buffer as scratch on non-root ranks
+                buf = g.workspace.get("reduce-scratch", tensor.numel(), tensor.dtype, tensor.device)
+                buf.copy_(tensor.reshape(-1))
+            with engine.transport_op(name):
+                engine.reduce(buf, root, op, algorithm)
+
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, op, root=root))
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group | None = None, async_op: bool = False
+) -> Work | None:
+    """Gather ``tensor`` from every rank into ``tensor_list[i]`` (from group rank ``i``)."""
+    name = "all_gather"
+    g = _resolve(group)
+    _check_tensor(tensor, name)
+    outs = _check_list(tensor_list, name, "tensor_list", g.size, tensor)
+    _check_async(async_op, name)
+    engine = _engine(g, tensor, name)
+
+    def run() -> None:
+        m = tensor.numel()
+        flat = g.workspace.get("all-gather", m * g.size, tensor.dtype, tensor.device)
+        with _flat(tensor, write_back=False) as inp, engine.transport_op(name):
+            engine.all_gather(flat, inp)
+        for i, out in enumerate(outs):
+            out.copy_(flat[i * m : (i + 1) * m].view_as(out))
+
+    return _submit(g, name, run, async_op, debug.signature(name, tensor))
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group | None = None, async_op: bool = False
+) -> Work | None:
+    """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (``n`` times as many elements)."""
+    name = "all_gather_into_tensor"
+    g = _resolve(group)
+    _check_tensor(input_tensor, name, "input_tensor")
+    _check_tensor(output_tensor, name, "output_tensor")
+    _check_same(output_tensor, input_tensor, name, "output_tensor", numel=False)
+    if output_tensor.numel() != g.size * input_tensor.numel():
+        raise ValueError(
+            f"{name}: output_tensor has {output_tensor.numel()} elements; expected world size "
+            f"{g.size} x input {input_tensor.numel()} = {g.size * input_tensor.numel()}"
+        )
+    _check_async(async_op, name)
+    engine = _engine(g, input_tensor, name)
+
+    def run() -> None:
+        with _flat(output_tensor) as out, _flat(input_tensor, write_back=False) as inp, engine.transport_op(name):
+            engine.all_gather(out, inp)
+
+    return _submit(g, name, run, async_op, debug.signature(name, input_tensor))
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: ReduceOp = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``input_list[i]`` across ranks and leave the result on group rank ``i`` in ``output``."""
+    name = "reduce_scatter"
+    g, op = _resolve(group), ReduceOp.coerce(op)
+    _check_tensor(output, name, "output")
+    check_op_dtype(op, output.dtype, name)
+    ins = _check_list(input_list, name, "input_list", g.size, output)
+    _check_async(async_op, name)
+    engine = _engine(g, output, name)
+
+    def run() -> None:
+        flat_in = torch.cat([t.reshape(-1) for t in ins]) if ins else output.new_empty(0)
+        with _flat(output) as out, engine.transport_op(name):
+            engine.reduce_scatter(out, flat_in, op)
+
+    return _submit(g, name, run, async_op, debug.signature(name, output, op))
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``input`` (``n`` equal chunks) across ranks; group rank ``i`` gets chunk ``i`` in ``output``."""
+    name = "reduce_scatter_tensor"
+    g, op = _resolve(group), ReduceOp.coerce(op)
+    _check_tensor(output, name, "output")
+    _check_tensor(input, name, "input")
+    _check_same(input, output, name, "input", numel=False)
+    check_op_dtype(op, output.dtype, name)
+    if input.numel() != g.size * output.numel():
+        raise ValueError(
+            f"{name}: input has {input.numel()} elements; expected world size {g.size} x output "
+            f"{output.numel()} = {g.size * output.numel()}"
+        )
+    _check_async(async_op, name)
+    engine = _engine(g, output, name)
+
+    def run() -> None:
+        with _flat(output) as out, _flat(input, write_back=False) as inp, engine.transport_op(name):
+            engine.reduce_scatter(out, inp, op)
+
+    return _submit(g, name, run, async_op, debug.signature(name, output, op))
+
+
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: Group | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Global rank ``src`` sends ``scatter_list[i]`` to group rank ``i``, which receives it in ``tensor``."""
+    name = "scatter"
+    g = _resolve(group)
+    _check_tensor(tensor, name)
+    root = g.group_rank(src, "src", name)
+    if g.rank == root:
+        if scatter_list is None:
+            raise ValueError(f"{name}: the source rank {src} must pass scatter_list")
+        pieces = _check_list(scatter_list, name, "scatter_list", g.size, tensor)
+    else:
+        if scatter_list:
+            raise ValueError(f"{name}: only the source rank {src} passes scatter_list")
+        pieces = None
+    _check_async(async_op, name)
+    engine = _engine(g, tensor, name)
+
+    def run() -> None:
+        with contextlib.ExitStack() as stack:
+            out = stack.enter_context(_flat(tensor))
+            flat_pieces = stack.enter_context(_flats(pieces, write_back=False)) if pieces is not None else None
+            stack.enter_context(engine.transport_op(name))
+            engine.scatter(out, flat_pieces, root)
+
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, root=root))
+
+
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: Group | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Every rank sends ``tensor`` to global rank ``dst``, which stores group rank ``i``'s in ``gather_list[i]``."""
+    name = "gather"
+    g = _resolve(group)
+    _check_tensor(tensor, name)
+    root = g.group_rank(dst, "dst", name)
+    if g.rank == root:
+        if gather_list is None:
+            raise ValueError(f"{name}: the destination rank {dst} must pass gather_list")
+        outs = _check_list(gather_list, name, "gather_list", g.size, tensor)
+    else:
+        if gather_list:
+            raise ValueError(f"{name}: only the destination rank {dst} passes gather_list")
+        outs = None
+    _check_async(async_op, name)
+    engine = _engine(g, tensor, name)
+
+    def run() -> None:
+        with contextlib.ExitStack() as stack:
+            inp = stack.enter_context(_flat(tensor, write_back=False))
+            flat_outs = stack.enter_context(_flats(outs, write_back=True)) if outs is not None else None
+            stack.enter_context(engine.transport_op(name))
+            engine.gather(inp, flat_outs, root)
+
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, root=root))
+
+
+def all_to_all(
+    output_tensor_list: list[torch.Tensor],
+    input_tensor_list: list[torch.Tensor],
+    group: Group | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Rank ``r`` sends ``input_tensor_list[j]`` to rank ``j`` and receives into ``output_tensor_list[j]``.
+
+    Tensors may differ in size between peers; ``output_tensor_list[j]`` must match the size rank
+    ``j`` sends.
+    """
+    name = "all_to_all"
+    g = _resolve(group)
+    if not isinstance(input_tensor_list, (list, tuple)) or not input_tensor_list:
+        raise TypeError(f"{name}: input_tensor_list must be a non-empty list of tensors")
+    like = _check_tensor(input_tensor_list[0], name, "input_tensor_list[0]")
+    for what, ts in (("input_tensor_list", input_tensor_list), ("output_tensor_list", output_tensor_list)):
+        if not isinstance(ts, (list, tuple)) or len(ts) != g.size:
+            raise ValueError(f"{name}: {what} must be a list of {g.size} tensors (one per rank)")
+        for i, t in enumerate(ts):
+            _check_tensor(t, name, f"{what}[{i}]")
+            _check_same(t, like, name, f"{what}[{i}]", numel=False)
+    if output_tensor_list[g.rank].numel() != input_tensor_list[g.rank].numel():
+        raise ValueError(f"{name}: output_tensor_list[{g.rank}] must match input_tensor_list[{g.rank}] in size")
+    _check_async(async_op, name)
+    engine = _engine(g, like, name)
+    outs, ins = list(output_tensor_list), list(input_tensor_list)
+
+    def run() -> None:
+        with _flats(outs, write_back=True) as flat_outs, _flats(ins, write_back=False) as flat_ins:
+            with engine.transport_op(name):
+                engine.all_to_all(flat_outs, flat_ins)
+
+    return _submit(g, name, run, async_op, debug.signature(name, like))
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: Group | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """All-to-all on single tensors split along dim 0 (equal splits unless sizes are given)."""
+    name = "all_to_all_single"
+    g = _resolve(group)
+    _check_tensor(input, name, "input")
+    _check_tensor(output, name, "output")
+    _check_same(output, input, name, "output", numel=False)
+    if output.dim() == 0 or input.dim() == 0:
+        raise ValueError(f"{name}: input and output need at least one dimension to split")
+    if output.shape[1:] != input.shape[1:]:
+        raise ValueError(f"{name}: input and output differ beyond dim 0: {tuple(input.shape)} vs {tuple(output.shape)}")
+    in_splits = _splits(input, input_split_sizes, g.size, name, "input")
+    out_splits = _splits(output, output_split_sizes, g.size, name, "output")
+    _check_async(async_op, name)
+    row = input[0].numel() if input.shape[0] else int(torch.Size(input.shape[1:]).numel())
+    engine = _engine(g, input, name)
+
+    def run() -> None:
+        with _flat(output) as out, _flat(input, write_back=False) as inp:
+            outs = list(out.split([s * row for s in out_splits]))
+            ins = list(inp.split([s * row for s in in_splits]))
+            with engine.transport_op(name):
+                engine.all_to_all(outs, ins)
+
+    return _submit(g, name, run, async_op, debug.signature(name, input))
+
+
+def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, op_name: str, what: str) -> list[int]:
+    if sizes is None or len(sizes) == 0:
+        if t.shape[0] % n:
+            raise ValueError(f"{op_name}: {what} dim 0 ({t.shape[0]}) is not divisible by world size {n}; pass split sizes")
+        return [t.shape[0] // n] * n
+    sizes = list(sizes)
+    if len(sizes) != n or any((not isinstance(s, int)) or s < 0 for s in sizes):
+        raise ValueError(f"{op_name}: {what}_split_sizes must be {n} non-negative ints, got {sizes}")
+    if sum(sizes) != t.shape[0]:
+        raise ValueError(f"{op_name}: {what}_split_sizes sum to {sum(sizes)} but {what} dim 0 is {t.shape[0]}")
+    return sizes
+
+
+def barrier(group: Group | None = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None:
+    """Block until every rank of the group has entered the barrier (``device_ids`` is ignored)."""
+    name = "barrier"
+    g = _resolve(group)
+    _check_async(async_op, name)
+    engine = g.engine(torch.device("cpu"), name) if g.backend != "nccl-cupy" else g.engine(torch.device("cuda"), name)
+
+    def run() -> None:
+        with engine.transport_op(name):
+            engine.barrier()
+
+    return _submit(g, name, run, async_op, debug.signature(name, None))

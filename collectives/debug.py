@@ -1,0 +1,78 @@
+"""Debug mode: check that all ranks issue the same collective before running it.
+
+Point-to-point algorithms trust that every rank calls the same collective with matching
+arguments; when they don't (a rank skips a call, passes another size or dtype), the messages pair
+up wrongly and the result is a hang until the timeout or, worse, a wrong answer. With
+``RINGDDP_DEBUG=DETAIL`` (like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every collective first
+all-gathers a small fixed-size signature — collective, dtype, element count, shape, reduce op,
+root — and every rank raises the same ``ValueError`` describing the mismatch if they differ.
+It costs one extra small all-gather per collective.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from .ops import ReduceOp
+
+if TYPE_CHECKING:
+    from .group import Group
+
+Signature = tuple[str, str, int, tuple[int, ...], str, int]
+_FIELDS = 6
+
+
+def enabled() -> bool:
+    return os.environ.get("RINGDDP_DEBUG", "").upper() in ("DETAIL", "1", "ON", "TRUE")
+
+
+def signature(name: str, tensor: torch.Tensor | None, op: ReduceOp | None = None, root: int = -1) -> Signature:
+    if tensor is None:
+        return (name, "-", 0, (), "-", root)
+    return (name, str(tensor.dtype), tensor.numel(), tuple(tensor.shape), op.name if op else "-", root)
+
+
+def _encode(sig: Signature) -> torch.Tensor:
+    name, dtype, numel, shape, op, root = sig
+    h = lambda s: zlib.crc32(str(s).encode())  # noqa: E731 - stable across processes, unlike hash()
+    return torch.tensor([h(name), h(dtype), numel, h(shape), h(op), root], dtype=torch.int64)
+
+
+def describe(sig: Signature) -> str:
+    name, dtype, numel, shape, op, root = sig
+    parts = [name]
+    if dtype != "-":
+        parts.append(f"dtype={dtype} shape={list(shape)} numel={numel}")
+    if op != "-":
+        parts.append(f"op={op}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    return " ".join(parts)
+
+
+def check_agreement(group: "Group", sig: Signature) -> None:
+    """All-gather every rank's signature and raise ``ValueError`` on any difference."""
+    mine = _encode(sig)
+    gathered = torch.empty(group.size * _FIELDS, dtype=torch.int64)
+    engine = group.engine(torch.device("cpu"), sig[0]) if group.backend != "nccl-cupy" else None
+    if engine is None:  # the NCCL group carries CPU metadata over its gloo process group
+        from .engine import TorchEngine
+
+        engine = TorchEngine(group.process_group, group.rank, group.size)
+    with engine.transport_op(f"{sig[0]} (debug check)"):
+        engine.all_gather(gathered, mine)
+    rows = gathered.view(group.size, _FIELDS)
+    mismatched = [r for r in range(group.size) if not torch.equal(rows[r], rows[group.rank])]
+    if mismatched:
+        # Each rank only knows its own readable signature; the codes tell which fields differ.
+        fields = ["collective", "dtype", "numel", "shape", "op", "root"]
+        diffs = sorted({fields[i] for r in mismatched for i in range(_FIELDS) if rows[r, i] != mine[i]})
+        raise ValueError(
+            f"{sig[0]}: ranks disagree on {', '.join(diffs)} (RINGDDP_DEBUG check). This rank "
+            f"({group.rank}) called {describe(sig)}; ranks {mismatched} called something else"
+            + (f" (numel {[int(rows[r, 2]) for r in range(group.size)]})" if "numel" in diffs else "")
+        )

@@ -1,0 +1,27 @@
+"""Exceptions raised by the collectives package.
+
+Argument problems are reported with the built-in ``ValueError`` / ``TypeError`` before any
+message is sent. Communication problems (a peer that stops answering, a dead peer, a closed
+connection) raise :class:`CollectiveError`; a wait that runs past its deadline raises
+:class:`CollectiveTimeoutError`. Both name the collective and the peer rank involved.
+"""
+
+from __future__ import annotations
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete: a peer failed, or the group is unusable.
+
+    Attributes:
+        op: name of the collective that failed (``"all_reduce"``, ...).
+        peer: rank (within the group) of the peer the failing wait was talking to, or None.
+    """
+
+    def __init__(self, message: str, op: str | None = None, peer: int | None = None):
+        super().__init__(message)
+        self.op = op
+        self.peer = peer
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A blocking wait inside a collective ran past its deadline."""

@@ -1,0 +1,111 @@
+"""Reduction operators and the dtypes the collectives accept.
+
+``ReduceOp`` mirrors ``torch.distributed.ReduceOp`` (and accepts torch's values, so code written
+for torch keeps working). ``combine`` applies an operator elementwise *in place*, with ``out=``,
+so a reduction step allocates nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+#: dtypes every collective accepts.
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+
+
+class ReduceOp(enum.Enum):
+    """How values from different ranks are combined.
+
+    AVG is SUM followed by one division by the group size; it is defined for floating dtypes only.
+    On ``bool`` tensors SUM/MAX act as logical OR and PRODUCT/MIN as logical AND, like torch.
+    """
+
+    SUM = "sum"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+    @classmethod
+    def coerce(cls, op: object) -> "ReduceOp":
+        """Accept our ReduceOp, torch.distributed.ReduceOp, or a name like ``"sum"``."""
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls(op.lower())
+            except ValueError:
+                pass
+        elif op in _FROM_TORCH:
+            return _FROM_TORCH[op]
+        raise ValueError(f"unsupported reduce op {op!r}; expected one of {[o.name for o in cls]}")
+
+    def to_torch(self) -> dist.ReduceOp:
+        return _TO_TORCH[self]
+
+
+_TO_TORCH = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+
+
+def check_dtype(dtype: torch.dtype, op_name: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{op_name}: dtype {dtype} is not supported; supported: "
+            f"{sorted(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+
+
+def check_op_dtype(op: ReduceOp, dtype: torch.dtype, op_name: str) -> None:
+    """Reject reductions that are undefined for ``dtype`` before any traffic."""
+    check_dtype(dtype, op_name)
+    if op is ReduceOp.AVG and not dtype.is_floating_point:
+        raise ValueError(f"{op_name}: ReduceOp.AVG needs a floating dtype, got {dtype}; use SUM and divide")
+
+
+def combine(op: ReduceOp, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a (op) b`` elementwise, without allocating; ``out`` may be ``a`` or ``b``.
+
+    AVG combines as SUM. Algorithms always pass operands in a fixed order (``a`` from the
+    lower-ranked side), so every rank that computes a value computes the same expression.
+    """
+    if out.dtype == torch.bool:
+        if op in (ReduceOp.SUM, ReduceOp.MAX):
+            torch.logical_or(a, b, out=out)
+        else:
+            torch.logical_and(a, b, out=out)
+    elif op is ReduceOp.SUM or op is ReduceOp.AVG:
+        torch.add(a, b, out=out)
+    elif op is ReduceOp.PRODUCT:
+        torch.mul(a, b, out=out)
+    elif op is ReduceOp.MIN:
+        torch.minimum(a, b, out=out)
+    else:
+        torch.maximum(a, b, out=out)
+
+
+def finish(op: ReduceOp, buf: torch.Tensor, world_size: int) -> None:
+    """Apply the last step of ``op`` to a fully reduced buffer (AVG divides; others do nothing)."""
+    if op is ReduceOp.AVG and world_size > 1:
+        buf.div_(world_size)

@@ -1,0 +1,233 @@
+"""Ring algorithms: reduce-scatter, all-gather, and all-reduce as the two in a row.
+
+Picture the ``n`` ranks of a group sitting in a circle. Each rank only ever sends to its right
+neighbour ``(rank + 1) % n`` and receives from its left neighbour ``(rank - 1) % n``. The flat
+buffer every rank holds is cut into ``n`` chunks; chunk ``c`` is *owned* by rank ``c``.
+
+Reduce-scatter (``n - 1`` steps)
+    At step ``s`` rank ``r`` sends chunk ``(r - s - 1) % n`` to the right and receives chunk
+    ``(r - s - 2) % n`` from the left, combining it into its own copy of that chunk. A chunk
+    therefore travels once around the ring, picking up one rank's contribution per hop; after
+    ``n - 1`` hops it arrives complete at its owner. Rank ``r`` ends with chunk ``r`` reduced over
+    all ranks (the other chunks hold partial results).
+
+All-gather (``n - 1`` steps)
+    At step ``s`` rank ``r`` sends chunk ``(r - s) % n`` to the right and receives chunk
+    ``(r - s - 1) % n`` from the left, storing it. Each owner's chunk travels around the ring once,
+    so every rank ends with every chunk.
+
+All-reduce = reduce-scatter, then all-gather. Every element is combined exactly once, by one
+rank, in one order, and then only copied, so the result is **bitwise identical on every rank**,
+even for floating-point sums whose value depends on the order of additions.
+
+Cost, with ``α`` the latency of one message, ``β`` the seconds per byte and ``S`` the buffer's
+bytes: each phase is ``(n - 1)`` steps that each move ``S / n`` bytes per rank, so
+
+    reduce-scatter, all-gather:  (n - 1) α + (n - 1)/n · S β
+    all-reduce:                 2(n - 1) α + 2(n - 1)/n · S β
+
+The bandwidth term does not grow with ``n``: this is the bandwidth-optimal all-reduce. The
+latency term does, which is why small messages use recursive doubling instead (``tree.py``).
+
+Pipelining
+    A step is not one message but ``k`` *segments*. Segment ``j`` received at step ``s`` is
+    combined and immediately sent on as segment ``j`` of step ``s + 1``, while later segments are
+    still on the wire; ``depth`` receives are kept posted ahead into a small reusable staging
+    buffer. The wire, the peer's wire and the local adder all work at once, and a large step no
+    longer waits for its whole chunk before forwarding any of it.
+
+Every function takes a contiguous 1-D ``buf`` and ``bounds``, the ``n + 1`` offsets that cut it
+into chunks (chunk ``c`` is ``buf[bounds[c]:bounds[c + 1]]``); chunks may differ in size or be
+empty. All ranks must call with the same sizes and the same ``segment_elems``.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import torch
+
+from .buffers import Workspace
+from .ops import ReduceOp, combine, finish
+from .transport.base import Request, Transport, wait_all
+
+
+def balanced_bounds(numel: int, parts: int) -> list[int]:
+    """Offsets cutting ``numel`` elements into ``parts`` pieces whose sizes differ by at most one."""
+    base, extra = divmod(numel, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def segments(bounds: list[int], segment_elems: int) -> list[list[tuple[int, int]]]:
+    """Cut every chunk into the same number ``k`` of segments, as ``(start, stop)`` into ``buf``.
+
+    The same ``k`` for every chunk lets segment ``j`` of one step feed segment ``j`` of the next.
+    """
+    largest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    k = max(1, -(-largest // max(1, segment_elems)))
+    result = []
+    for a, b in zip(bounds, bounds[1:]):
+        cuts = balanced_bounds(b - a, k)
+        result.append([(a + lo, a + hi) for lo, hi in zip(cuts, cuts[1:])])
+    return result
+
+
+def _pipeline(
+    transport: Transport,
+    count: int,
+    outgoing: Callable[[int], torch.Tensor | None],
+    incoming: Callable[[int], torch.Tensor | None],
+    arrived: Callable[[int], None],
+    lag: int,
+) -> None:
+    """Stream ``count`` messages right while receiving ``count`` from the left.
+
+    Message ``m``'s send and receive are posted *together* (one :meth:`Transport.post`), which
+    NCCL needs to avoid a ring-wide deadlock. Up to ``lag`` later messages are posted before
+    ``arrived(m)`` runs for message ``m``, so the wire works ahead while the host reduces.
+    ``outgoing(m)`` may depend on ``arrived`` having run for messages ``<= m - lag - 1``.
+    Either side of a message may be None (nothing to send or receive).
+    """
+    right, left = (transport.rank + 1) % transport.world_size, (transport.rank - 1) % transport.world_size
+    in_flight: collections.deque[list[Request]] = collections.deque()
+    for m in range(count + lag):
+        if m < count:
+            out, inc = outgoing(m), incoming(m)
+            in_flight.append(
+                transport.post(
+                    sends=[(out, right)] if out is not None else [],
+                    recvs=[(inc, left)] if inc is not None else [],
+                )
+            )
+        if m >= lag:
+            wait_all(in_flight.popleft())
+            arrived(m - lag)
+
+
+def _piece(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor | None:
+    return buf[lo:hi] if hi > lo else None
+
+
+def reduce_scatter(
+    transport: Transport,
+    buf: torch.Tensor,
+    bounds: list[int],
+    op: ReduceOp,
+    workspace: Workspace,
+    segment_elems: int,
+    depth: int = 4,
+) -> None:
+    """Ring reduce-scatter in place: rank ``r`` ends with chunk ``r`` of ``buf`` fully reduced.
+
+    Message ``m`` is segment ``m % k`` of step ``m // k``. Incoming segments land in
+    ``lag + 1`` reusable staging slots taken from ``workspace`` and are combined into ``buf``;
+    the segment sent at step ``s + 1`` is the one combined at step ``s``, hence ``lag < k``.
+    AVG is left as a SUM here; the caller applies :func:`~collectives.ops.finish` to its chunk.
+    """
+    n, r = transport.world_size, transport.rank
+    if n == 1:
+        return
+    segs = segments(bounds, segment_elems)
+    k = len(segs[0])
+    lag = min(depth, k - 1)
+    seg_cap = max(hi - lo for chunk in segs for lo, hi in chunk)
+    staging = workspace.get("ring-staging", (lag + 1) * seg_cap, buf.dtype, buf.device)
+
+    def sent(m: int) -> tuple[int, int]:
+        return segs[(r - m // k - 1) % n][m % k]
+
+    def received(m: int) -> tuple[int, int]:
+        return segs[(r - m // k - 2) % n][m % k]
+
+    def slot(m: int) -> torch.Tensor:
+        lo, hi = received(m)
+        start = (m % (lag + 1)) * seg_cap
+        return staging[start : start + hi - lo]
+
+    def combine_arrival(m: int) -> None:
+        lo, hi = received(m)
+        if hi > lo:
+            combine(op, buf[lo:hi], slot(m), out=buf[lo:hi])
+
+    _pipeline(
+        transport,
+        (n - 1) * k,
+        outgoing=lambda m: _piece(buf, *sent(m)),
+        incoming=lambda m: slot(m) if received(m)[1] > received(m)[0] else None,
+        arrived=combine_arrival,
+        lag=lag,
+    )
+
+
+def all_gather(
+    transport: Transport, buf: torch.Tensor, bounds: list[int], segment_elems: int, depth: int = 4
+) -> None:
+    """Ring all-gather in place: on entry rank ``r`` holds chunk ``r``; on exit every chunk.
+
+    Received segments land directly in their final place in ``buf``; nothing is combined.
+    """
+    n, r = transport.world_size, transport.rank
+    if n == 1:
+        return
+    segs = segments(bounds, segment_elems)
+    k = len(segs[0])
+    _pipeline(
+        transport,
+        (n - 1) * k,
+        outgoing=lambda m: _piece(buf, *segs[(r - m // k) % n][m % k]),
+        incoming=lambda m: _piece(buf, *segs[(r - m // k - 1) % n][m % k]),
+        arrived=lambda m: None,
+        lag=min(depth, k - 1),
+    )
+
+
+def all_reduce(
+    transport: Transport,
+    buf: torch.Tensor,
+    op: ReduceOp,
+    workspace: Workspace,
+    segment_elems: int,
+    depth: int = 4,
+) -> None:
+    """Ring all-reduce of ``buf`` in place: reduce-scatter, then all-gather.
+
+    Cost ``2(n - 1) α + 2(n - 1)/n · S β``; results are bitwise identical on all ranks because
+    each chunk is reduced (and, for AVG, divided) once by its owner before being copied around.
+    """
+    n, r = transport.world_size, transport.rank
+    bounds = balanced_bounds(buf.numel(), n)
+    reduce_scatter(transport, buf, bounds, op, workspace, segment_elems, depth)
+    finish(op, buf[bounds[r] : bounds[r + 1]], n)
+    all_gather(transport, buf, bounds, segment_elems, depth)
+
+
+def chain_broadcast(
+    transport: Transport, buf: torch.Tensor, src: int, segment_elems: int, depth: int = 4
+) -> None:
+    """Pipelined broadcast along the ring from ``src`` (the ring minus its last hop).
+
+    The root streams ``k`` segments to its right neighbour; every other rank receives segment
+    ``j`` while forwarding segment ``j - 1``. Cost ``(n - 2 + k)(α + S β / k)``: for large ``S``
+    close to ``S β`` whatever ``n``, where a binomial tree pays ``log2(n) · S β``.
+    """
+    n, r = transport.world_size, transport.rank
+    if n == 1 or buf.numel() == 0:
+        return
+    pieces = segments([0, buf.numel()], segment_elems)[0]
+    k = len(pieces)
+    if r == src:
+        _pipeline(transport, k, lambda m: _piece(buf, *pieces[m]), lambda m: None, lambda m: None, depth)
+        return
+    forwards = (r + 1) % n != src
+    _pipeline(
+        transport,
+        k + 1,  # message m: receive segment m, forward segment m - 1
+        outgoing=lambda m: _piece(buf, *pieces[m - 1]) if forwards and m >= 1 else None,
+        incoming=lambda m: _piece(buf, *pieces[m]) if m < k else None,
+        arrived=lambda m: None,
+        lag=0,
+    )

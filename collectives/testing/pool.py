@@ -1,0 +1,167 @@
+"""A persistent pool of ranks for testing collectives many times over.
+
+Starting a multi-process job costs seconds (interpreter start, ``import torch``, rendezvous); a
+property test runs hundreds of examples. :class:`WorkerPool` starts ``world_size`` ranks once and
+then runs one small job after another on them::
+
+    pool = WorkerPool(4)
+    results = pool.run(my_check, case)      # my_check(rank, world_size, case) on every rank
+    pool.close()
+
+``fn`` must be picklable (a module-level function). A job that raises on any rank re-raises here
+with that rank's traceback attached. A job that breaks communication (a rank dies or a wait times
+out) makes the pool restart itself before the next job, so one bad example does not poison the
+rest of a test session.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import time
+from typing import Any, Callable
+
+from ..launch import LaunchError, _raise_failure, _stop, error_report, join_local, start_store
+
+log = logging.getLogger(__name__)
+
+
+def _worker(rank: int, size: int, port: int, backend: str | None, timeout: float, level: int, conn) -> None:
+    from ..group import destroy_process_group
+
+    try:
+        join_local(rank, size, port, backend, timeout, level)
+        conn.send(("ready", None))
+    except BaseException as exc:
+        conn.send(error_report(exc))
+        return
+    try:
+        while True:
+            try:
+                job = conn.recv()
+            except EOFError:
+                return
+            if job is None:
+                return
+            fn, args = job
+            try:
+                conn.send(("ok", fn(rank, size, *args)))
+            except BaseException as exc:
+                conn.send(error_report(exc))
+    finally:
+        destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` persistent ranks with collectives initialised, reused across jobs.
+
+    Args:
+        world_size: number of ranks.
+        backend: collectives backend of the ranks' default group.
+        timeout: the collectives' wait deadline inside the ranks (seconds); keep it short in tests
+            so that a hang becomes an error quickly.
+        job_timeout: how long :meth:`run` waits for all ranks before declaring the pool stuck.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str | None = None,
+        timeout: float = 20.0,
+        job_timeout: float = 60.0,
+        log_level: int = logging.WARNING,
+    ):
+        if world_size < 1:
+            raise ValueError(f"WorkerPool: world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.job_timeout = job_timeout
+        self.log_level = log_level
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Any] = []
+        self._store = None
+
+    def _start(self) -> None:
+        self._store = start_store(self.world_size, datetime.timedelta(seconds=self.timeout))
+        ctx = mp.get_context("spawn")
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, self._store.port, self.backend, self.timeout, self.log_level, child_end),
+                name=f"ringddp-pool-rank{rank}",
+            )
+            p.start()
+            child_end.close()
+            self._procs.append(p)
+            self._conns.append(parent_end)
+        reports = self._collect(self.timeout + 60)
+        if any(r[0] != "ready" for r in reports.values()) or len(reports) < self.world_size:
+            self.close()
+            raise LaunchError(f"WorkerPool: ranks failed to start: {reports}")
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the results by rank."""
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args))
+        reports = self._collect(self.job_timeout)
+        failures = [(0.0, r, rep) for r, rep in sorted(reports.items()) if rep[0] != "ok"]
+        missing = [r for r in range(self.world_size) if r not in reports]
+        if not failures and not missing:
+            return [reports[r][1] for r in range(self.world_size)]
+        if missing or any(rep[0] == "died" or _breaks_group(rep) for _, _, rep in failures):
+            log.warning("WorkerPool: restarting after a failed job (ranks %s)", [r for _, r, _ in failures] + missing)
+            self.close()
+        _raise_failure(failures, missing, self.job_timeout if missing else None)
+        raise AssertionError("unreachable")
+
+    def _collect(self, timeout: float) -> dict[int, tuple]:
+        deadline = time.monotonic() + timeout
+        reports: dict[int, tuple] = {}
+        while len(reports) < self.world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            pending = {self._conns[r]: r for r in range(self.world_size) if r not in reports}
+            pending.update({self._procs[r].sentinel: r for r in range(self.world_size) if r not in reports})
+            for ready in mp.connection.wait(list(pending), left):
+                rank = pending[ready]
+                if rank in reports:
+                    continue
+                try:
+                    reports[rank] = self._conns[rank].recv() if self._conns[rank].poll(0.2) else ("died", self._procs[rank].exitcode)
+                except (EOFError, OSError):
+                    reports[rank] = ("died", self._procs[rank].exitcode)
+        return reports
+
+    def close(self) -> None:
+        """Stop the ranks (the next :meth:`run` starts fresh ones)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        _stop(self._procs)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._store = [], [], None
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _breaks_group(report: tuple) -> bool:
+    from ..errors import CollectiveError
+
+    return report[0] == "error" and (report[1] is None or isinstance(report[1], CollectiveError))

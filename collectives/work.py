@@ -1,0 +1,129 @@
+"""Async handles and the per-group communication queue.
+
+Point-to-point traffic has no order of its own: if rank 0 starts all-reduce A then B while rank 1
+starts B then A, their messages pair up wrongly. So every collective of a group, asynchronous or
+not, goes through one FIFO queue and runs in program order on every rank.
+
+An ``async_op=True`` call is queued and runs on the group's communication thread; it returns a
+:class:`Work` handle at once. A synchronous call runs on the caller's thread when nothing is
+queued (no thread hop on the common path), and otherwise queues behind the pending work and waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import threading
+from typing import Callable
+
+from .errors import CollectiveTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+class Work:
+    """Handle of a collective started with ``async_op=True`` (like torch's ``Work``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
+        """Block until the collective finished; re-raise its error if it failed.
+
+        ``timeout`` (seconds or timedelta) bounds this wait only; the collective's own
+        communication deadline (the group's timeout) applies regardless.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if not self._done.wait(seconds):
+            raise CollectiveTimeoutError(f"{self.name}: Work.wait timed out after {seconds}s", op=self.name)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+
+class Executor:
+    """Runs a group's collectives one at a time, in submission order."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{work.name}: the group was destroyed")
+            inline = not async_op and not self._busy and not self._queue
+            if inline:
+                self._busy = True
+            else:
+                self._queue.append((work, fn))
+                self._ensure_thread()
+                self._cond.notify_all()
+        if not inline:
+            if not async_op:
+                work.wait()
+            return work
+        try:
+            fn()
+            work._finish(None)
+        except BaseException as exc:
+            work._finish(exc)
+            raise
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        return work
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"ringddp-{self._name}", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._busy or not self._queue):
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                work, fn = self._queue.popleft()
+                self._busy = True
+            try:
+                fn()
+                work._finish(None)
+            except BaseException as exc:  # delivered to whoever waits on the handle
+                log.debug("%s failed on the communication thread: %s", work.name, exc)
+                work._finish(exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
