@@ -1,0 +1,266 @@
+"""nccl-tests-style benchmark: our collectives next to torch's built-in, in the same run.
+
+    python -m collectives.bench --ops all_reduce --world-sizes 2,4 --dtypes float32,float16
+
+For every (world size, op, dtype, size) it times our collective, torch's built-in collective
+(``torch`` backend) and — for all_reduce and reduce_scatter — a *wire* row: the same ring
+exchanges with no reduction (two ring all-gathers for all_reduce, one for reduce_scatter), the
+practical limit of the transport. Calls are interleaved (ours, torch, wire, ours, ...) on the
+same, reused buffers; every timed call starts after a barrier; the reported time is the median
+over iterations of the slowest rank. Results are checked against torch's (#wrong = elements that
+differ; inputs are small integers so the sums are exact).
+
+Columns: ``time`` in microseconds; ``algbw`` = size / time; ``busbw`` = algbw × the nccl-tests
+factor (all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all, scatter, gather (n-1)/n;
+broadcast 1), which makes numbers comparable across world sizes: it is the bandwidth each rank's
+link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+
+from . import api, ring
+from .group import get_default_group, new_group
+from .launch import launch
+
+log = logging.getLogger(__name__)
+
+OPS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "scatter", "gather", "all_to_all")
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes}B"
+
+
+class _Case:
+    """Buffers for one (op, dtype, size), allocated once and reused by every backend and iteration."""
+
+    def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int):
+        self.op, self.rank, self.n = op, rank, n
+        esize = torch.empty((), dtype=dtype).element_size()
+        count = max(n, nbytes // esize // n * n)  # divisible by n: every op can use it
+        self.count = count
+        g = torch.Generator().manual_seed(rank)
+        self.pristine = torch.randint(0, 5, (count,), generator=g).to(dtype)
+        self.work = self.pristine.clone()
+        self.out = torch.empty(count, dtype=dtype)
+        self.piece = count // n
+        self.small = torch.empty(self.piece, dtype=dtype)
+
+    def run(self, backend: str, group: Any) -> None:
+        op, w, out, n = self.op, self.work, self.out, self.n
+        if op == "all_reduce":
+            w.copy_(self.pristine)
+            api.all_reduce(w, group=group)
+        elif op == "broadcast":
+            w.copy_(self.pristine)
+            api.broadcast(w, src=0, group=group)
+        elif op == "reduce_scatter":
+            api.reduce_scatter_tensor(self.small, self.pristine, group=group)
+        elif op == "all_gather":
+            api.all_gather_into_tensor(out, self.pristine[: self.piece], group=group)
+        elif op == "scatter":
+            pieces = list(self.pristine.chunk(n)) if self.rank == 0 else None
+            api.scatter(self.small, pieces, src=0, group=group)
+        elif op == "gather":
+            outs = list(out.chunk(n)) if self.rank == 0 else None
+            api.gather(self.pristine[: self.piece], outs, dst=0, group=group)
+        elif op == "all_to_all":
+            api.all_to_all_single(out, self.pristine, group=group)
+
+    def result(self) -> torch.Tensor:
+        if self.op in ("all_reduce", "broadcast"):
+            return self.work.clone()
+        if self.op in ("reduce_scatter", "scatter"):
+            return self.small.clone()
+        if self.op == "gather" and self.rank != 0:
+            return torch.empty(0)
+        return self.out.clone()
+
+    def wire(self, engine: Any) -> bool:
+        """The ring exchanges of this op without reduction; False if the op has no wire row."""
+        if self.op not in ("all_reduce", "reduce_scatter"):
+            return False
+        bounds = ring.balanced_bounds(self.count, self.n)
+        seg = max(1, engine.tuning.segment_bytes // self.work.element_size())
+        with engine.transport_op("wire"):
+            for _ in range(2 if self.op == "all_reduce" else 1):
+                ring.all_gather(engine.transport, self.work, bounds, seg, engine.tuning.depth)
+        return True
+
+    def size_bytes(self) -> int:
+        """nccl-tests' "size": the op's whole buffer (all_gather: output; reduce_scatter: input)."""
+        return self.count * self.pristine.element_size()
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    tdist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
+    if iters:
+        return max(1, iters // 5), iters
+    timed = int(min(40, max(5, (256 << 20) // max(nbytes, 1))))
+    return 2, timed
+
+
+def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
+               segment_bytes: int | None) -> list[dict]:
+    torch.set_num_threads(1)
+    ours = get_default_group()
+    if segment_bytes:
+        ours.tuning.segment_bytes = segment_bytes
+    reference = new_group(backend="torch")
+    engine = ours.engine(torch.device("cpu"), "bench")
+    rows = []
+    for op in ops:
+        for dtype_name in dtypes:
+            for nbytes in sizes:
+                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n)
+                warm, timed = _iterations(nbytes, iters)
+                times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
+                case.run("torch", reference)
+                expected = case.result()
+                case.run("ours", None)
+                wrong = int((case.result() != expected).sum())
+                has_wire = case.wire(engine)
+                for i in range(warm + timed):
+                    t_ours = _timed(lambda: case.run("ours", None))
+                    t_torch = _timed(lambda: case.run("torch", reference))
+                    t_wire = _timed(lambda: case.wire(engine)) if has_wire else float("nan")
+                    if i >= warm:
+                        times["ours"].append(t_ours)
+                        times["torch"].append(t_torch)
+                        times["wire"].append(t_wire)
+                med = torch.tensor([statistics.median(times[k]) for k in ("ours", "torch", "wire")] + [wrong],
+                                   dtype=torch.float64)
+                tdist.all_reduce(med, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
+                if rank == 0:
+                    size = case.size_bytes()
+                    factor = BUS_FACTOR[op](n)
+                    row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
+                           "wrong": int(med[3])}
+                    for k, t in zip(("ours", "torch", "wire"), med[:3].tolist()):
+                        row[f"{k}_us"] = t * 1e6
+                        row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else float("nan")
+                        row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
+                    row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
+                    row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else float("nan")
+                    rows.append(row)
+                    log.info("%s", format_row(row))
+    return rows
+
+
+HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':>10}{'algbw':>7}{'busbw':>7}"
+          f"{'#wrong':>7} |{'torch us':>10}{'busbw':>7} |{'wire us':>10}{'busbw':>7} |{'vs torch':>9}{'vs wire':>8}")
+
+
+def format_row(r: dict) -> str:
+    def num(x: float, fmt: str) -> str:
+        return format(x, fmt) if x == x else "-"
+
+    return (f"{r['op']:<15}{r['world_size']:>2} {r['dtype']:<9}{_human(r['bytes']):>7}{r['count']:>11} |"
+            f"{num(r['ours_us'], '10.1f')}{num(r['ours_algbw'], '7.2f')}{num(r['ours_busbw'], '7.2f')}{r['wrong']:>7} |"
+            f"{num(r['torch_us'], '10.1f')}{num(r['torch_busbw'], '7.2f')} |"
+            f"{num(r['wire_us'], '10.1f')}{num(r['wire_busbw'], '7.2f')} |"
+            f"{num(r['vs_torch'], '8.2f')}x{num(r['vs_wire'], '7.2f')}x")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["op"], r["world_size"], r["dtype"]) for r in rows})
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 3.2 * len(keys)), squeeze=False)
+    for ax, (op, n, dtype) in zip(axes[:, 0], keys):
+        sel = [r for r in rows if (r["op"], r["world_size"], r["dtype"]) == (op, n, dtype)]
+        x = [r["bytes"] for r in sel]
+        for backend, style in (("ours", "o-"), ("torch", "s--"), ("wire", "^:")):
+            y = [r[f"{backend}_busbw"] for r in sel]
+            if any(v == v for v in y):
+                ax.plot(x, y, style, label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op}, world size {n}, {dtype}")
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m collectives.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="all_reduce", help=f"comma list or 'all' ({','.join(OPS)})")
+    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--dtypes", default="float32", help=f"comma list of {','.join(DTYPES)}")
+    p.add_argument("--min-bytes", default="4K")
+    p.add_argument("--max-bytes", default="64M")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size, 5-40)")
+    p.add_argument("--segment-bytes", type=_parse_size, default=None, help="ring pipelining segment")
+    p.add_argument("--json", help="write the rows to this JSON file")
+    p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    ops = list(OPS) if args.ops == "all" else args.ops.split(",")
+    bad = [o for o in ops if o not in OPS] + [d for d in args.dtypes.split(",") if d not in DTYPES]
+    if bad:
+        p.error(f"unknown op/dtype: {bad}")
+    sizes, s = [], _parse_size(args.min_bytes)
+    while s <= _parse_size(args.max_bytes):
+        sizes.append(s)
+        s *= 2
+    rows: list[dict] = []
+    print(HEADER)
+    for n in (int(x) for x in args.world_sizes.split(",")):
+        result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, args.segment_bytes,
+                        log_level=logging.WARNING)[0]
+        for r in result:
+            print(format_row(r))
+        sys.stdout.flush()
+        rows += result
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
