@@ -205,7 +205,8 @@ def _launch_local(fn, size, args, backend, timeout, join_timeout, level) -> list
                         if grace is None:
                             grace = time.monotonic() + _grace_seconds(seconds)
     finally:
-        _stop(procs)
+        # Ranks that reported success are finishing their interpreter shutdown: let them.
+        _stop(procs, exit_grace=5.0 if len(reported) == size and not failures else 0.0)
         store = None
     missing = [r for r in range(size) if r not in reported]
     if not failures and not missing:
@@ -228,7 +229,11 @@ def _read_report(conn, proc) -> tuple:
     return ("died", proc.exitcode)
 
 
-def _stop(procs) -> None:
+def _stop(procs, exit_grace: float = 0.0) -> None:
+    """Stop every rank: wait up to ``exit_grace`` seconds for a clean exit, then terminate, then kill."""
+    deadline = time.monotonic() + exit_grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -1,0 +1,28 @@
+"""Data parallelism on top of ``collectives``: the naive form and a bucketed, overlapped DDP.
+
+* :func:`all_reduce_gradients` — after ``loss.backward()``, average every gradient with one
+  blocking all-reduce each (the lecture-notes form, for study);
+* :class:`DistributedDataParallel` — the real thing: gradients packed into buckets whose
+  all-reduces start during the backward pass (see ``ddp/distributed.py`` for how and why);
+* :func:`broadcast_module` — make every rank's replica equal to rank 0's (parameters and buffers).
+
+Run ``python -m ddp.bench`` to compare with ``torch.nn.parallel.DistributedDataParallel``.
+"""
+
+from .bucket import BucketInfo, assign_buckets, format_bucket_table
+from .distributed import DistributedDataParallel, ReductionStats
+from .naive import all_reduce_gradients, broadcast_module, broadcast_tensors
+
+DDP = DistributedDataParallel
+
+__all__ = [
+    "DDP",
+    "BucketInfo",
+    "DistributedDataParallel",
+    "ReductionStats",
+    "all_reduce_gradients",
+    "assign_buckets",
+    "broadcast_module",
+    "broadcast_tensors",
+    "format_bucket_table",
+]

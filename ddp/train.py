@@ -1,0 +1,304 @@
+"""The main job: data-parallel training of a small classifier on scikit-learn's handwritten digits.
+
+Everything distributed in it is ringddp's own: processes started by :func:`collectives.launch`
+(or ``torchrun`` / SLURM variables), gradients averaged by :class:`ddp.DistributedDataParallel`
+(or the naive :func:`ddp.all_reduce_gradients`), data split by :class:`data.DistributedSampler`
+(or shipped from rank 0 by :class:`data.ScatterDataset`). The data set (1,797 8x8 images) ships
+inside scikit-learn, so nothing is downloaded::
+
+    python -m ddp.train                              # 2 local CPU processes, bucketed DDP
+    python -m ddp.train --world-size 4 --data scatter --accum 2 --trace trace.json --plot loss.png
+    torchrun --nproc_per_node=2 -m ddp.train         # ranks from torchrun's environment
+
+At the end every rank compares its parameters with rank 0's (bitwise) and the job fails if any
+differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import collectives
+from collectives import ReduceOp, trace
+from data import DistributedSampler, ScatterDataset
+
+from .distributed import DistributedDataParallel
+from .naive import all_reduce_gradients, broadcast_module, broadcast_tensors
+
+log = logging.getLogger("ddp.train")
+
+
+@dataclasses.dataclass
+class Config:
+    world_size: int = 2
+    backend: str = "p2p"
+    epochs: int = 10
+    batch_size: int = 32  # per rank, per micro-batch
+    lr: float = 0.05
+    hidden: int = 256
+    bucket_mb: float = 0.05
+    naive: bool = False
+    accum: int = 1
+    data: str = "sampler"
+    seed: int = 0
+    timeout: float = 60.0
+    trace: str | None = None
+    plot: str | None = None
+    verbose: bool = False
+
+
+def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The digits data set as float features in [0, 1] and int64 labels, split 80/20 by ``seed``."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(x))
+    train, test = order[:cut], order[cut:]
+    return x[train], y[train], x[test], y[test]
+
+
+def make_model(hidden: int) -> nn.Module:
+    """An MLP with BatchNorm (so DDP's buffer broadcast is exercised): 64 -> hidden -> hidden -> 10."""
+    return nn.Sequential(
+        nn.Linear(64, hidden),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+
+
+def _loader(cfg: Config, rank: int, world_size: int, x: torch.Tensor | None, y: torch.Tensor | None):
+    """(loader, set_epoch) for this rank's share of the training rows."""
+    if cfg.data == "scatter":
+        shard = ScatterDataset((x, y) if rank == 0 else None, src=0, shuffle=True, seed=cfg.seed)
+        return DataLoader(shard, batch_size=cfg.batch_size, shuffle=False), shard.set_epoch
+    assert x is not None and y is not None
+    full = TensorDataset(x, y)
+    sampler = DistributedSampler(full, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
+    return DataLoader(full, batch_size=cfg.batch_size, sampler=sampler), sampler.set_epoch
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    was_training = model.training
+    model.eval()
+    correct = (model(x).argmax(dim=1) == y).sum().item()
+    model.train(was_training)
+    return correct / max(len(y), 1)
+
+
+def _identical_parameters(model: nn.Module) -> bool:
+    """True on every rank iff every rank's parameters and buffers equal rank 0's bitwise."""
+    flat = torch.cat([t.detach().reshape(-1).double() for t in list(model.parameters()) + list(model.buffers())])
+    reference = flat.clone()
+    collectives.broadcast(reference, src=0)
+    same = torch.tensor([1 if torch.equal(flat, reference) else 0], dtype=torch.int32)
+    collectives.all_reduce(same, ReduceOp.MIN)
+    return bool(same.item())
+
+
+def _gather_json(obj: Any) -> list[Any] | None:
+    """Gather a JSON-able object from every rank to rank 0 (as bytes, through our ``gather``)."""
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(collectives.get_world_size())]
+    collectives.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    root = collectives.get_rank() == 0
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in sizes] if root else None
+    collectives.gather(padded, out, dst=0)
+    if not root:
+        return None
+    assert out is not None
+    return [json.loads(bytes(o[: int(s.item())].tolist()).decode()) for o, s in zip(out, sizes)]
+
+
+def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
+    """One rank's training loop; rank 0 returns the summary."""
+    # Share the cores: OpenMP threads spinning in several processes at once slow every step down.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if cfg.verbose:
+        logging.getLogger("collectives").setLevel(logging.DEBUG)
+        logging.getLogger("ddp").setLevel(logging.DEBUG)
+    x_train, y_train, x_test, y_test = load_digits_split(cfg.seed)
+    torch.manual_seed(cfg.seed + 1000 * rank)  # different initial weights: DDP's broadcast fixes them
+    model: nn.Module = make_model(cfg.hidden)
+    if cfg.naive:
+        broadcast_module(model)
+    else:
+        model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
+        if rank == 0:
+            log.info("bucket layout (%d buckets, launched in this order):\n%s", len(model.buckets), model.describe_buckets())
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    scatter = cfg.data == "scatter"
+    loader, set_epoch = _loader(cfg, rank, world_size, None if scatter and rank else x_train, None if scatter and rank else y_train)
+
+    # Every rank must take the same number of steps (a scatter shard may be one row shorter).
+    steps = torch.tensor([len(loader)], dtype=torch.int64)
+    collectives.all_reduce(steps, ReduceOp.MIN)
+    batches_per_epoch = int(steps.item())
+    losses: list[float] = []
+    epochs: list[dict[str, float]] = []
+    tracer_cm = trace.tracing(rank) if cfg.trace else contextlib.nullcontext()
+    started = time.perf_counter()
+    with tracer_cm as tracer:
+        for epoch in range(cfg.epochs):
+            set_epoch(epoch)
+            epoch_loss = torch.zeros(2, dtype=torch.float64)  # sum of losses, number of batches
+            bar = _progress(rank, batches_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
+            for i, (xb, yb) in enumerate(loader):
+                if i >= batches_per_epoch:
+                    break
+                sync = (i + 1) % cfg.accum == 0 or i + 1 == batches_per_epoch
+                with trace.span("step", "train", epoch=epoch, batch=i, sync=sync):
+                    skip = not sync and not cfg.naive
+                    if cfg.naive:  # what DDP's broadcast_buffers does: BatchNorm statistics follow rank 0
+                        broadcast_tensors(list(model.buffers()))
+                    with model.no_sync() if skip else contextlib.nullcontext():  # type: ignore[operator]
+                        out = model(xb)
+                        loss = F.cross_entropy(out, yb)
+                        with trace.span("backward", "train"):
+                            (loss / cfg.accum).backward()
+                    if sync:
+                        if cfg.naive:
+                            all_reduce_gradients(model)
+                        with trace.span("optimizer step", "train"):
+                            optimizer.step()
+                            optimizer.zero_grad()
+                epoch_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss.item():.4f}")
+                    bar.update()
+            if bar is not None:
+                bar.close()
+            collectives.all_reduce(epoch_loss)  # mean training loss over every rank's batches
+            mean_loss = float(epoch_loss[0] / epoch_loss[1])
+            losses.append(mean_loss)
+            if cfg.naive:
+                broadcast_tensors(list(model.buffers()))
+            accuracy = _accuracy(model, x_test, y_test)
+            epochs.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": accuracy})
+            if rank == 0:
+                log.info("epoch %2d/%d  train loss %.4f  test accuracy %5.1f%%", epoch + 1, cfg.epochs, mean_loss, 100 * accuracy)
+    elapsed = time.perf_counter() - started
+
+    identical = _identical_parameters(model)
+    events = _gather_json(tracer.export()) if tracer is not None else None
+    if not identical:
+        raise RuntimeError(f"rank {rank}: parameters differ between ranks after training")
+    if rank != 0:
+        return None
+    summary = {
+        "world_size": world_size,
+        "backend": cfg.backend,
+        "mode": "naive" if cfg.naive else "bucketed",
+        "data": cfg.data,
+        "epochs": epochs,
+        "final_test_accuracy": epochs[-1]["test_accuracy"] if epochs else 0.0,
+        "seconds": elapsed,
+        "identical_parameters": identical,
+    }
+    if cfg.trace and events is not None:
+        trace.write_chrome_trace(cfg.trace, events)
+        log.info("wrote Chrome trace %s (open in https://ui.perfetto.dev or chrome://tracing)", cfg.trace)
+    if cfg.plot:
+        _plot(cfg.plot, epochs, cfg)
+        log.info("wrote loss curve %s", cfg.plot)
+    return summary
+
+
+def _progress(rank: int, total: int, desc: str):
+    if rank != 0 or not sys.stderr.isatty():  # the per-epoch log lines say enough in a log file
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
+
+
+def _plot(path: str, epochs: list[dict[str, float]], cfg: Config) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [e["epoch"] for e in epochs]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [e["loss"] for e in epochs], marker="o", label="train loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("cross-entropy")
+    twin = ax.twinx()
+    twin.plot(xs, [100 * e["test_accuracy"] for e in epochs], color="tab:green", marker="s", label="test accuracy")
+    twin.set_ylabel("test accuracy (%)")
+    mode = "naive" if cfg.naive else f"DDP, {cfg.bucket_mb:g} MB buckets"
+    ax.set_title(f"digits, {cfg.world_size} ranks, {cfg.backend} backend, {mode}")
+    fig.legend(loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(prog="ringddp-train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", "-n", type=int, default=2, help="local processes to start (default 2)")
+    p.add_argument("--backend", default="p2p", choices=["p2p", "torch", "nccl-cupy"], help="collectives backend")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32, help="rows per rank per micro-batch")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--hidden", type=int, default=256, help="width of the hidden layers")
+    p.add_argument("--bucket-mb", type=float, default=0.05, help="DDP bucket size in MiB (small model: small buckets)")
+    p.add_argument("--naive", action="store_true", help="average gradients after backward instead of bucketed DDP")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (no_sync in between)")
+    p.add_argument("--data", default="sampler", choices=["sampler", "scatter"], help="every rank samples / rank 0 scatters")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any communication may block")
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace of every rank")
+    p.add_argument("--plot", metavar="OUT.png", help="write the loss / accuracy curve")
+    p.add_argument("--verbose", "-v", action="store_true", help="log the bucket layout and every collective")
+    a = p.parse_args(argv)
+    if a.world_size < 1 or a.epochs < 1 or a.batch_size < 1 or a.accum < 1:
+        p.error("--world-size, --epochs, --batch-size and --accum must be >= 1")
+    return Config(
+        world_size=a.world_size, backend=a.backend, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
+        hidden=a.hidden, bucket_mb=a.bucket_mb, naive=a.naive, accum=a.accum, data=a.data, seed=a.seed,
+        timeout=a.timeout, trace=a.trace, plot=a.plot, verbose=a.verbose,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    results = collectives.launch(train, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, log_level=logging.INFO)
+    summary = next((r for r in results if r is not None), None)
+    if summary is None:
+        return 0  # under torchrun: only rank 0's process reports
+    log.info(
+        "done: %d ranks (%s backend, %s DDP, %s data) trained %d epochs in %.1fs; parameters identical on every "
+        "rank; final test accuracy %.1f%%",
+        summary["world_size"], summary["backend"], summary["mode"], summary["data"], len(summary["epochs"]),
+        summary["seconds"], 100 * summary["final_test_accuracy"],
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
