@@ -75,10 +75,13 @@ def reduce_ops(dtype: torch.dtype) -> st.SearchStrategy[ReduceOp]:
 
 
 def shapes(max_numel: int = 300) -> st.SearchStrategy[tuple[int, ...]]:
-    """0-d, empty, tiny, odd and multi-dimensional shapes."""
-    return st.lists(st.integers(0, 12), min_size=0, max_size=3).filter(
+    """0-d, empty, tiny, odd and multi-dimensional shapes; long 1-D ones when ``max_numel`` allows."""
+    small = st.lists(st.integers(0, 12), min_size=0, max_size=3).filter(
         lambda s: _numel(s) <= max_numel
     ).map(tuple) | st.sampled_from([(), (0,), (1,), (2, 0), (1000,), (17, 33)])
+    if max_numel <= 2000:
+        return small
+    return small | st.integers(2000, max_numel).map(lambda n: (n,))
 
 
 def cases(

@@ -1,0 +1,454 @@
+"""Per-step time of our ``DistributedDataParallel`` next to torch's, in the same run.
+
+    python -m ddp.bench                                   # 2 ranks, 4 x 2048 MLP, 25 MiB buckets
+    python -m ddp.bench --bucket-mb 25,5,inf --json ddp.json --plot ddp.png
+    python -m ddp.bench --world-size 4 --width 1024 --layers 8 --batch 32
+
+What runs
+---------
+Every rank builds the same wide MLP (``--layers`` Linear layers of ``--width`` features with ReLU
+in between; the default 4 x 2048 has 16.8 M parameters, 64 MiB of float32 gradients per step) and
+one copy of it per *variant*, each with its own SGD optimizer:
+
+* ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel`` over the gloo process group that
+  our collectives run on (torch's defaults: 25 MiB buckets, a 1 MiB first bucket);
+* ``ours <cap>``: :class:`ddp.DistributedDataParallel` with ``bucket_cap_mb=<cap>``, one variant
+  per value of ``--bucket-mb`` (``inf``: a single bucket, i.e. no overlap at all);
+* ``local``: the bare model, same step, no communication: the floor every DDP row pays on top of.
+
+A step is ``forward + MSE loss`` / ``loss.backward()`` / ``optimizer.step(); zero_grad()`` on a
+fixed synthetic batch (different on every rank). The variants are interleaved: a round runs
+``--steps`` steps of each variant in turn (every other round in reverse order) after a barrier,
+``--warmup`` untimed rounds first, then ``--rounds`` timed ones; slow drifts of the machine (other
+jobs, frequency scaling) hit every variant alike.
+
+Reading the table
+-----------------
+``step ms``
+    median over timed steps of the *slowest rank's* time for that step (the job's pace);
+    ``min`` is the fastest such step, a hint of how noisy the machine was.
+``forward`` / ``backward`` / ``optim``
+    medians (of the mean over ranks) of the three phases. ``backward`` is the time until
+    ``loss.backward()`` returns, so for both DDPs it *includes* waiting for the last all-reduces:
+    the gradients are averaged when it returns.
+``wait``
+    ours only: the part of ``backward`` spent in the end-of-backward callback waiting for
+    all-reduces still in flight (``last_stats.wait_s``): the exposed, non-overlapped
+    communication. Torch DDP does not report it.
+``buckets``
+    how many all-reduces a step makes (torch DDP: after its bucket rebuild at the second step;
+    torch closes a bucket once it *reaches* the cap and starts with a 1 MiB first bucket, ours
+    closes one before it would *exceed* the cap, so the same cap can give different layouts; the
+    JSON lists the sizes).
+``launched``
+    ours only: buckets whose all-reduce was started by a gradient hook, i.e. before autograd
+    finished / buckets in all (the others start in the end-of-backward callback). The last
+    bucket is launched by the very last hook, so ``k/k`` is normal; what overlaps backward
+    compute are the buckets launched *before* the last one. With a single bucket (``inf``)
+    nothing overlaps and ``wait`` is the whole all-reduce.
+``bwd-local``
+    backward minus the local baseline's backward: what communication (exposed transfers, plus
+    compute slowed by the communication thread and the copies into buckets) adds to the
+    backward pass. Compare the DDP rows on this column.
+``vs torch``
+    torch DDP's step time / this row's step time: ``> 1`` is faster than torch DDP, ``< 1`` slower.
+    The local row's value is the ceiling any DDP could reach.
+
+``sync`` is ``ok`` when every rank ended with bitwise identical parameters (checked after the
+timing), as data parallelism requires.
+
+On a small CPU machine the ranks share the cores with each other and with the communication
+threads (``torch.set_num_threads(cpu_count // world_size)`` per rank, overridable with
+``--threads``), so overlap buys less than on GPUs: reducing a bucket competes with the backward
+pass for the same cores. ``--json`` writes every number (and the per-rank medians); ``--plot``
+draws the phases as stacked bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+import zlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import collectives
+
+from .distributed import DistributedDataParallel
+
+log = logging.getLogger("ddp.bench")  # not __name__: under "python -m" the ranks import this as __mp_main__
+
+PHASES = ("step", "forward", "backward", "optim")
+
+
+@dataclasses.dataclass
+class Config:
+    world_size: int = 2
+    width: int = 2048
+    layers: int = 4
+    batch: int = 64
+    bucket_mb: tuple[float, ...] = (25.0,)
+    first_bucket_mb: float | None = None
+    warmup: int = 1
+    rounds: int = 10
+    steps: int = 3
+    lr: float = 1e-3
+    backend: str = "p2p"
+    threads: int | None = None
+    seed: int = 0
+    timeout: float = 120.0
+
+
+def make_model(width: int, layers: int) -> nn.Module:
+    """``layers`` Linear(width, width) with ReLU between them (none after the last)."""
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width))
+        if i + 1 < layers:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+def _mb_label(mb: float) -> str:
+    return "inf" if math.isinf(mb) else f"{mb:g}"
+
+
+def _mb_json(mb: float | None) -> float | str | None:
+    return "inf" if mb is not None and math.isinf(mb) else mb
+
+
+class _Variant:
+    """One model copy, its optimizer, and the per-step measurements of one rank."""
+
+    def __init__(self, key: str, name: str, kind: str, model: nn.Module, lr: float, bucket_mb: float | None = None):
+        self.key, self.name, self.kind, self.model, self.bucket_mb = key, name, kind, model, bucket_mb
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        self.times: dict[str, list[float]] = {p: [] for p in PHASES}
+        self.wait: list[float] = []
+        self.reducer_backward: list[float] = []
+        self.launched: list[int] = []
+        self.buckets = len(model.buckets) if isinstance(model, DistributedDataParallel) else None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool) -> float:
+        t0 = time.perf_counter()
+        loss = F.mse_loss(self.model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if record:
+            for phase, t in zip(PHASES, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):
+                self.times[phase].append(t)
+            if isinstance(self.model, DistributedDataParallel):
+                stats = self.model.last_stats
+                self.wait.append(stats.wait_s)
+                self.reducer_backward.append(stats.backward_s)
+                self.launched.append(stats.launched_during_backward)
+        return t3 - t0
+
+    def torch_buckets(self) -> list[int] | None:
+        """Bucket sizes in bytes of a torch DDP after its bucket rebuild (private API: best effort)."""
+        try:
+            data = self.model._get_ddp_logging_data()
+            text = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
+            return [int(v) for v in str(text).split(",")]
+        except Exception:  # noqa: BLE001 - only a detail of the report
+            return None
+
+    def checksum(self) -> int:
+        crc = 0
+        for p in self.model.parameters():
+            crc = zlib.crc32(p.detach().contiguous().numpy().tobytes(), crc)
+        return crc
+
+    def report(self) -> dict[str, Any]:
+        bucket_bytes = [b.nbytes for b in self.model.buckets] if self.kind == "ours" else None
+        if self.kind == "torch":
+            bucket_bytes = self.torch_buckets()
+            self.buckets = None if bucket_bytes is None else len(bucket_bytes)
+        return {
+            "key": self.key,
+            "name": self.name,
+            "kind": self.kind,
+            "bucket_mb": _mb_json(self.bucket_mb),
+            "buckets": self.buckets,
+            "bucket_bytes": bucket_bytes,
+            "times": self.times,
+            "wait": self.wait,
+            "reducer_backward": self.reducer_backward,
+            "launched": self.launched,
+            "checksum": self.checksum(),
+        }
+
+
+def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
+    """One rank: build the variants, run the interleaved rounds, return the raw per-step times."""
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    group = collectives.get_default_group()
+    torch.manual_seed(cfg.seed)
+    base = make_model(cfg.width, cfg.layers)
+    n_params = sum(p.numel() for p in base.parameters())
+    gen = torch.Generator().manual_seed(cfg.seed + 1 + rank)
+    x = torch.randn(cfg.batch, cfg.width, generator=gen)
+    y = torch.randn(cfg.batch, cfg.width, generator=gen)
+    if rank == 0:
+        log.info(
+            "model: %d x Linear(%d, %d), %s parameters (%.1f MiB of float32 gradients); batch %d per rank; "
+            "%d ranks, %d thread(s) each",
+            cfg.layers, cfg.width, cfg.width, f"{n_params:,}", n_params * 4 / 2**20, cfg.batch, world_size, threads,
+        )  # fmt: skip
+
+    # Construction order is the same on every rank (each wrapper talks to its peers).
+    variants = [
+        _Variant(
+            "torch", "torch DDP", "torch",
+            torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group.process_group),
+            cfg.lr,
+        )
+    ]  # fmt: skip
+    for mb in cfg.bucket_mb:
+        model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb, first_bucket_cap_mb=cfg.first_bucket_mb)
+        variants.append(_Variant(f"ours:{_mb_label(mb)}", f"ours {_mb_label(mb)} MB", "ours", model, cfg.lr, mb))
+        if rank == 0:
+            sizes = ", ".join(f"{b.nbytes / 2**20:.1f}" for b in model.buckets)
+            log.info("ours %s MB: %d buckets of %s MiB (launch order)", _mb_label(mb), len(model.buckets), sizes)
+    variants.append(_Variant("local", "local (no comm)", "local", copy.deepcopy(base), cfg.lr))
+    del base
+
+    total = cfg.warmup + cfg.rounds
+    for r in range(total):
+        record = r >= cfg.warmup
+        order = variants if r % 2 == 0 else variants[::-1]
+        last: dict[str, float] = {}
+        for v in order:
+            collectives.barrier()  # every rank starts the variant together
+            for _ in range(cfg.steps):
+                last[v.name] = v.step(x, y, record)
+        if rank == 0:
+            what = "timed" if record else "warm-up"
+            log.info(
+                "round %d/%d (%s): %s", r + 1, total, what,
+                ", ".join(f"{v.name} {1e3 * last[v.name]:.0f} ms" for v in variants),
+            )  # fmt: skip
+    collectives.barrier()
+    if rank == 0:
+        sizes = variants[0].torch_buckets()
+        if sizes is not None:
+            log.info("torch DDP: %d buckets of %s MiB (after its rebuild)", len(sizes), ", ".join(f"{b / 2**20:.1f}" for b in sizes))
+    return {"rank": rank, "threads": threads, "params": n_params, "variants": [v.report() for v in variants]}
+
+
+# ---------------------------------------------------------------------------- summary (parent)
+
+
+def _median_ms(xs: list[float]) -> float:
+    return 1e3 * statistics.median(xs) if xs else float("nan")
+
+
+def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
+    """Combine the ranks' raw times into one row per variant (see the module docstring)."""
+    rows: list[dict[str, Any]] = []
+    n_variants = len(per_rank[0]["variants"])
+    for i in range(n_variants):
+        reports = [r["variants"][i] for r in per_rank]
+        first = reports[0]
+        steps = len(first["times"]["step"])
+        slowest = [max(rep["times"]["step"][s] for rep in reports) for s in range(steps)]
+        mean = {p: [statistics.fmean(rep["times"][p][s] for rep in reports) for s in range(steps)] for p in PHASES}
+        row: dict[str, Any] = {
+            "name": first["name"],
+            "kind": first["kind"],
+            "bucket_mb": first["bucket_mb"],
+            "buckets": first["buckets"],
+            "bucket_mib": None if first["bucket_bytes"] is None else [round(b / 2**20, 2) for b in first["bucket_bytes"]],
+            "steps": steps,
+            "step_ms": _median_ms(slowest),
+            "step_min_ms": 1e3 * min(slowest) if slowest else float("nan"),
+            "step_max_ms": 1e3 * max(slowest) if slowest else float("nan"),
+            "forward_ms": _median_ms(mean["forward"]),
+            "backward_ms": _median_ms(mean["backward"]),
+            "optim_ms": _median_ms(mean["optim"]),
+            "per_rank_step_ms": [_median_ms(rep["times"]["step"]) for rep in reports],
+            "in_sync": len({rep["checksum"] for rep in reports}) == 1,
+        }
+        if first["kind"] == "ours":
+            row["wait_ms"] = _median_ms([statistics.fmean(rep["wait"][s] for rep in reports) for s in range(steps)])
+            row["reducer_backward_ms"] = _median_ms(
+                [statistics.fmean(rep["reducer_backward"][s] for rep in reports) for s in range(steps)]
+            )
+            row["launched_during_backward"] = statistics.median_low([min(rep["launched"][s] for rep in reports) for s in range(steps)])
+        else:
+            row["wait_ms"] = None
+            row["launched_during_backward"] = None
+        rows.append(row)
+    by_kind = {r["kind"]: r for r in rows}
+    torch_ms, local_bwd = by_kind["torch"]["step_ms"], by_kind["local"]["backward_ms"]
+    for row in rows:
+        row["speed_vs_torch"] = torch_ms / row["step_ms"] if row["step_ms"] > 0 else float("nan")
+        row["backward_over_local_ms"] = row["backward_ms"] - local_bwd
+    return {
+        "config": {k: (list(map(_mb_json, v)) if k == "bucket_mb" else _mb_json(v) if k == "first_bucket_mb" else v)
+                   for k, v in dataclasses.asdict(cfg).items()},
+        "params": per_rank[0]["params"],
+        "threads_per_rank": per_rank[0]["threads"],
+        "torch_version": torch.__version__,
+        "rows": rows,
+    }  # fmt: skip
+
+
+_COLUMNS = (
+    ("variant", 17, "<"), ("buckets", 7, ">"), ("step ms", 9, ">"), ("min", 8, ">"), ("forward", 8, ">"),
+    ("backward", 9, ">"), ("optim", 7, ">"), ("wait", 7, ">"), ("launched", 9, ">"), ("bwd-local", 10, ">"),
+    ("vs torch", 9, ">"), ("sync", 5, ">"),
+)  # fmt: skip
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The summary as a fixed-width table, one row per variant."""
+
+    def num(x: float | None, fmt: str = ".1f") -> str:
+        return "-" if x is None or x != x else format(x, fmt)
+
+    lines = [" ".join(f"{title:{align}{width}}" for title, width, align in _COLUMNS)]
+    lines.append(" ".join("-" * width for _, width, _ in _COLUMNS))
+    for r in summary["rows"]:
+        launched = "-" if r["launched_during_backward"] is None else f"{r['launched_during_backward']}/{r['buckets']}"
+        buckets = "-" if r["buckets"] is None else str(r["buckets"])
+        sync = "-" if r["kind"] == "local" else ("ok" if r["in_sync"] else "DIFF")
+        cells = (
+            r["name"], buckets, num(r["step_ms"]), num(r["step_min_ms"]), num(r["forward_ms"]),
+            num(r["backward_ms"]), num(r["optim_ms"]), num(r["wait_ms"]), launched,
+            "-" if r["kind"] == "local" else f"{r['backward_over_local_ms']:+.1f}",
+            num(r["speed_vs_torch"], ".2f") + "x", sync,
+        )  # fmt: skip
+        lines.append(" ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS)))
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    """Horizontal stacked bars per variant: forward, backward (ours: minus the exposed wait), wait, optim."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    names = [r["name"] for r in rows]
+    wait = [r["wait_ms"] or 0.0 for r in rows]
+    parts = {
+        "forward": [r["forward_ms"] for r in rows],
+        "backward (ours: minus the exposed wait)": [r["backward_ms"] - w for r, w in zip(rows, wait)],
+        "exposed comm wait": wait,
+        "optimizer": [r["optim_ms"] for r in rows],
+    }
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 2.2))
+    left = [0.0] * len(rows)
+    for label, values in parts.items():
+        ax.barh(names, values, left=left, label=label)
+        left = [a + b for a, b in zip(left, values)]
+    for y, r in enumerate(rows):
+        ax.text(left[y], y, f"  {r['step_ms']:.0f} ms", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (medians)")
+    cfg = summary["config"]
+    ax.set_title(f"{cfg['world_size']} ranks, {cfg['layers']} x {cfg['width']} MLP ({summary['params'] / 1e6:.1f} M params), batch {cfg['batch']}")
+    ax.set_xlim(0, max(left) * 1.18)
+    fig.legend(loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse_mb_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of MiB values (or inf), got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative MiB values, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="ringddp-ddp-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", "-n", type=int, default=2, help="local processes (default 2)")
+    p.add_argument("--width", type=int, default=2048, help="features of every Linear layer (default 2048)")
+    p.add_argument("--layers", type=int, default=4, help="Linear layers (default 4: 16.8 M parameters)")
+    p.add_argument("--batch", type=int, default=64, help="rows per rank per step (default 64)")
+    p.add_argument("--bucket-mb", type=_parse_mb_list, default=(25.0,), help="comma list of our bucket caps in MiB, 'inf' = one bucket (default 25)")
+    p.add_argument("--first-bucket-mb", type=float, default=None, help="cap of our first bucket (default: the bucket cap; torch uses 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
+    p.add_argument("--steps", type=int, default=3, help="steps of each variant per round (default 3)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--backend", default="p2p", choices=["p2p", "torch"], help="backend of our collectives (default p2p)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cpu_count // world size)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any communication may block")
+    p.add_argument("--json", metavar="OUT.json", help="write the summary to this JSON file")
+    p.add_argument("--plot", metavar="OUT.png", help="write a stacked bar chart of the phases")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress messages")
+    a = p.parse_args(argv)
+    if min(a.world_size, a.width, a.layers, a.batch, a.rounds, a.steps) < 1 or a.warmup < 0:
+        p.error("--world-size, --width, --layers, --batch, --rounds and --steps must be >= 1, --warmup >= 0")
+    if a.threads is not None and a.threads < 1:
+        p.error("--threads must be >= 1")
+    cfg = Config(
+        world_size=a.world_size, width=a.width, layers=a.layers, batch=a.batch, bucket_mb=a.bucket_mb,
+        first_bucket_mb=a.first_bucket_mb, warmup=a.warmup, rounds=a.rounds, steps=a.steps, lr=a.lr,
+        backend=a.backend, threads=a.threads, seed=a.seed, timeout=a.timeout,
+    )  # fmt: skip
+    return cfg, a
+
+
+def run(cfg: Config, log_level: int = logging.INFO) -> dict[str, Any]:
+    """Launch ``cfg.world_size`` local ranks, benchmark, and return the summary."""
+    started = time.perf_counter()
+    per_rank = collectives.launch(bench_rank, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, log_level=log_level)
+    summary = summarize(per_rank, cfg)
+    summary["seconds"] = time.perf_counter() - started
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_args(argv)
+    level = logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(message)s")
+    summary = run(cfg, log_level=level)
+    print(
+        f"{cfg.world_size} ranks x {summary['threads_per_rank']} thread(s), {cfg.layers} x Linear({cfg.width}) "
+        f"({summary['params'] / 1e6:.1f} M params), batch {cfg.batch}/rank, "
+        f"{cfg.rounds} rounds x {cfg.steps} steps per variant, medians in ms ({summary['seconds']:.0f} s)"
+    )
+    print(format_table(summary))
+    sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+        log.info("wrote %s", args.json)
+    if args.plot:
+        plot(summary, args.plot)
+        log.info("wrote %s", args.plot)
+    out_of_sync = [r["name"] for r in summary["rows"] if r["kind"] != "local" and not r["in_sync"]]
+    if out_of_sync:
+        log.error("parameters differ between ranks after the run: %s", ", ".join(out_of_sync))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

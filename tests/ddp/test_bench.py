@@ -1,0 +1,55 @@
+"""Smoke test of ``python -m ddp.bench``: a tiny model, two ranks, a few steps, JSON and table out."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ddp import bench
+
+
+@pytest.mark.timeout(120)
+def test_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "ddp_bench.json"
+    png = tmp_path / "ddp_bench.png"
+    argv = [
+        "--world-size", "2", "--width", "64", "--layers", "2", "--batch", "8",
+        "--bucket-mb", "25,0", "--warmup", "1", "--rounds", "2", "--steps", "2",
+        "--timeout", "60", "--quiet", "--json", str(out), "--plot", str(png),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+
+    summary = json.loads(out.read_text())
+    rows = {r["name"]: r for r in summary["rows"]}
+    assert set(rows) == {"torch DDP", "ours 25 MB", "ours 0 MB", "local (no comm)"}
+    assert summary["params"] == 2 * (64 * 64 + 64)
+    for row in rows.values():
+        assert row["steps"] == 4  # 2 timed rounds x 2 steps
+        for key in ("step_ms", "forward_ms", "backward_ms", "optim_ms", "speed_vs_torch"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row["name"], key, row[key])
+        assert row["step_min_ms"] <= row["step_ms"] <= row["step_max_ms"]
+    for name in ("torch DDP", "ours 25 MB", "ours 0 MB"):
+        assert rows[name]["in_sync"], name
+    assert rows["torch DDP"]["speed_vs_torch"] == pytest.approx(1.0)
+    # Our rows carry the reducer's statistics: 25 MB holds the whole model, 0 MB one bucket per tensor.
+    assert rows["ours 25 MB"]["buckets"] == 1
+    assert rows["ours 0 MB"]["buckets"] == 4
+    for name in ("ours 25 MB", "ours 0 MB"):
+        r = rows[name]
+        assert r["wait_ms"] >= 0
+        assert 0 <= r["launched_during_backward"] <= r["buckets"]
+    assert rows["torch DDP"]["wait_ms"] is None and rows["local (no comm)"]["wait_ms"] is None
+    assert png.stat().st_size > 0
+
+    table = capsys.readouterr().out
+    for name in rows:
+        assert name in table
+    assert "vs torch" in table
+
+
+def test_bucket_list_parsing():
+    assert bench._parse_mb_list("25,5,inf") == (25.0, 5.0, math.inf)
+    with pytest.raises(Exception):
+        bench._parse_mb_list("25,-1")

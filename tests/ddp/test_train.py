@@ -1,0 +1,55 @@
+"""The main job, run as a user would: ``python -m ddp.train``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def run_train(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "ddp.train", *args], capture_output=True, text=True, timeout=240, env=env)
+
+
+def final_accuracy(out: subprocess.CompletedProcess) -> float:
+    found = re.search(r"parameters identical on every rank; final test accuracy ([\d.]+)%", out.stderr)
+    assert found, out.stderr[-3000:]
+    return float(found.group(1))
+
+
+@pytest.mark.timeout(300)
+def test_default_job_trains_and_writes_trace_and_plot(tmp_path):
+    trace_path, plot_path = tmp_path / "trace.json", tmp_path / "loss.png"
+    out = run_train("--epochs", "4", "--trace", str(trace_path), "--plot", str(plot_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert final_accuracy(out) > 90.0
+    assert "bucket layout" in out.stderr and "epoch  4/4" in out.stderr
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    names = {e["name"] for e in spans}
+    assert {"forward", "backward", "backward (gradient hooks)", "wait for buckets", "optimizer step"} <= names
+    assert "all_reduce bucket 0" in names and "all_reduce bucket 3" in names
+    rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert rows == {"compute (main thread)", "communication (world)"}
+    bucket = next(e for e in spans if e["name"] == "all_reduce bucket 0")
+    assert bucket["args"]["bytes"] > 0 and bucket["dur"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_naive_scatter_accumulation_on_three_ranks():
+    out = run_train("--epochs", "2", "-n", "3", "--naive", "--data", "scatter", "--accum", "2", "--backend", "p2p")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "3 ranks (p2p backend, naive DDP, scatter data)" in out.stderr
+    assert final_accuracy(out) > 70.0
+
+
+def test_bad_arguments_are_rejected():
+    out = run_train("--world-size", "0")
+    assert out.returncode == 2 and "--world-size" in out.stderr
