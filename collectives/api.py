@@ -476,7 +476,7 @@ def barrier(group: Group | None = None, async_op: bool = False, device_ids: Sequ
     name = "barrier"
     g = _resolve(group)
     _check_async(async_op, name)
-    engine = g.engine(torch.device("cpu"), name) if g.backend != "nccl-cupy" else g.engine(torch.device("cuda"), name)
+    engine = g.host_engine() if g.backend != "nccl-cupy" else g.engine(torch.device("cuda", torch.cuda.current_device()), name)
 
     def run() -> None:
         with engine.transport_op(name):

@@ -138,11 +138,13 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
 
 
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
-               segment_bytes: int | None) -> list[dict]:
+               segment_bytes: int | None, small_bytes: int | None = None) -> list[dict]:
     torch.set_num_threads(1)
     ours = get_default_group()
     if segment_bytes:
         ours.tuning.segment_bytes = segment_bytes
+    if small_bytes is not None:
+        ours.tuning.small_bytes = small_bytes
     reference = new_group(backend="torch")
     engine = ours.engine(torch.device("cpu"), "bench")
     rows = []
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", default="64M")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size, 5-40)")
     p.add_argument("--segment-bytes", type=_parse_size, default=None, help="ring pipelining segment")
+    p.add_argument("--small-bytes", type=_parse_size, default=None,
+                   help="largest message for the latency-optimal algorithms (default: the group's tuning)")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     print(HEADER)
     for n in (int(x) for x in args.world_sizes.split(",")):
-        result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, args.segment_bytes,
+        result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, args.segment_bytes, args.small_bytes,
                         log_level=logging.WARNING)[0]
         for r in result:
             print(format_row(r))

@@ -58,11 +58,7 @@ def check_agreement(group: "Group", sig: Signature) -> None:
     """All-gather every rank's signature and raise ``ValueError`` on any difference."""
     mine = _encode(sig)
     gathered = torch.empty(group.size * _FIELDS, dtype=torch.int64)
-    engine = group.engine(torch.device("cpu"), sig[0]) if group.backend != "nccl-cupy" else None
-    if engine is None:  # the NCCL group carries CPU metadata over its gloo process group
-        from .engine import TorchEngine
-
-        engine = TorchEngine(group.process_group, group.rank, group.size)
+    engine = group.host_engine()  # CPU metadata, also when the payloads are CUDA tensors
     with engine.transport_op(f"{sig[0]} (debug check)"):
         engine.all_gather(gathered, mine)
     rows = gathered.view(group.size, _FIELDS)

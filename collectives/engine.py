@@ -38,7 +38,7 @@ class Tuning:
         depth: how many segments a ring keeps on the wire ahead of the one being reduced.
     """
 
-    small_bytes: int = 64 * 1024
+    small_bytes: int = 1 << 20
     segment_bytes: int = 1 << 20
     depth: int = 4
 

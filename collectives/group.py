@@ -122,6 +122,17 @@ class Group:
             self._engines[key] = engine
         return engine
 
+    def host_engine(self) -> AlgorithmEngine | TorchEngine:
+        """An engine for small CPU metadata (debug checks), whatever device the payloads live on.
+
+        With the NCCL backend this is our algorithms over the group's gloo process group.
+        """
+        kind = "torch" if self.backend == "torch" else "p2p"
+        key = f"{kind}:cpu"
+        if key not in self._engines:
+            self._engines[key] = self._make_engine(kind, torch.device("cpu"))
+        return self._engines[key]
+
     def _make_engine(self, kind: str, device: torch.device) -> AlgorithmEngine | TorchEngine:
         if kind == "torch":
             return TorchEngine(self.process_group, self.rank, self.size)

@@ -124,6 +124,19 @@ def join_local(rank: int, size: int, port: int, backend: str | None, timeout, le
     init_process_group(backend, timeout=timeout, world_size=size, rank=rank, store=store)
 
 
+def send_report(conn, report: tuple) -> None:
+    """Send a report to the parent by value.
+
+    Plain pickle, not multiprocessing's: that one ships tensors as shared-memory handles, which
+    die with this process, so a rank returning a tensor and exiting would look like a crash.
+    """
+    conn.send_bytes(pickle.dumps(report))
+
+
+def read_report(conn) -> tuple:
+    return pickle.loads(conn.recv_bytes())
+
+
 def error_report(exc: BaseException) -> tuple:
     """A picklable ("error", exception-or-None, traceback text) report of ``exc``."""
     tb = traceback.format_exc()
@@ -143,9 +156,9 @@ def _child(fn, rank, size, args, backend, timeout, port, level, conn) -> None:
             result = fn(rank, size, *args)
         finally:
             destroy_process_group()
-        conn.send(("ok", result))
+        send_report(conn, ("ok", result))
     except BaseException as exc:  # report everything, then exit non-zero
-        conn.send(error_report(exc))
+        send_report(conn, error_report(exc))
         conn.close()
         os._exit(1)
     conn.close()
@@ -222,7 +235,7 @@ def _grace_seconds(timeout: float | None) -> float:
 def _read_report(conn, proc) -> tuple:
     try:
         if conn.poll(0.5):
-            return conn.recv()
+            return read_report(conn)
     except (EOFError, OSError):
         pass
     proc.join(5)

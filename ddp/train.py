@@ -110,27 +110,27 @@ def _identical_parameters(model: nn.Module) -> bool:
     flat = torch.cat([t.detach().reshape(-1).double() for t in list(model.parameters()) + list(model.buffers())])
     reference = flat.clone()
     collectives.broadcast(reference, src=0)
-    same = torch.tensor([1 if torch.equal(flat, reference) else 0], dtype=torch.int32)
+    same = torch.tensor([1 if torch.equal(flat, reference) else 0], dtype=torch.int32, device=flat.device)
     collectives.all_reduce(same, ReduceOp.MIN)
     return bool(same.item())
 
 
-def _gather_json(obj: Any) -> list[Any] | None:
+def _gather_json(obj: Any, device: torch.device) -> list[Any] | None:
     """Gather a JSON-able object from every rank to rank 0 (as bytes, through our ``gather``)."""
-    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(collectives.get_world_size())]
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(collectives.get_world_size())]
     collectives.all_gather(sizes, size)
     longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     root = collectives.get_rank() == 0
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in sizes] if root else None
+    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if root else None
     collectives.gather(padded, out, dst=0)
     if not root:
         return None
     assert out is not None
-    return [json.loads(bytes(o[: int(s.item())].tolist()).decode()) for o, s in zip(out, sizes)]
+    return [json.loads(bytes(o[: int(s.item())].cpu().tolist()).decode()) for o, s in zip(out, sizes)]
 
 
 def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
@@ -141,8 +141,13 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
         logging.getLogger("collectives").setLevel(logging.DEBUG)
         logging.getLogger("ddp").setLevel(logging.DEBUG)
     x_train, y_train, x_test, y_test = load_digits_split(cfg.seed)
+    device = torch.device("cpu")
+    if cfg.backend == "nccl-cupy":  # one GPU per rank, data stays on the host until each batch
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    x_test, y_test = x_test.to(device), y_test.to(device)
     torch.manual_seed(cfg.seed + 1000 * rank)  # different initial weights: DDP's broadcast fixes them
-    model: nn.Module = make_model(cfg.hidden)
+    model: nn.Module = make_model(cfg.hidden).to(device)
     if cfg.naive:
         broadcast_module(model)
     else:
@@ -154,7 +159,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     loader, set_epoch = _loader(cfg, rank, world_size, None if scatter and rank else x_train, None if scatter and rank else y_train)
 
     # Every rank must take the same number of steps (a scatter shard may be one row shorter).
-    steps = torch.tensor([len(loader)], dtype=torch.int64)
+    steps = torch.tensor([len(loader)], dtype=torch.int64, device=device)
     collectives.all_reduce(steps, ReduceOp.MIN)
     batches_per_epoch = int(steps.item())
     losses: list[float] = []
@@ -164,11 +169,12 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     with tracer_cm as tracer:
         for epoch in range(cfg.epochs):
             set_epoch(epoch)
-            epoch_loss = torch.zeros(2, dtype=torch.float64)  # sum of losses, number of batches
+            epoch_loss = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, batches
             bar = _progress(rank, batches_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
             for i, (xb, yb) in enumerate(loader):
                 if i >= batches_per_epoch:
                     break
+                xb, yb = xb.to(device), yb.to(device)
                 sync = (i + 1) % cfg.accum == 0 or i + 1 == batches_per_epoch
                 with trace.span("step", "train", epoch=epoch, batch=i, sync=sync):
                     skip = not sync and not cfg.naive
@@ -185,7 +191,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
                         with trace.span("optimizer step", "train"):
                             optimizer.step()
                             optimizer.zero_grad()
-                epoch_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+                epoch_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64, device=device)
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss.item():.4f}")
                     bar.update()
@@ -203,7 +209,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     elapsed = time.perf_counter() - started
 
     identical = _identical_parameters(model)
-    events = _gather_json(tracer.export()) if tracer is not None else None
+    events = _gather_json(tracer.export(), device) if tracer is not None else None
     if not identical:
         raise RuntimeError(f"rank {rank}: parameters differ between ranks after training")
     if rank != 0:
@@ -277,6 +283,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     a = p.parse_args(argv)
     if a.world_size < 1 or a.epochs < 1 or a.batch_size < 1 or a.accum < 1:
         p.error("--world-size, --epochs, --batch-size and --accum must be >= 1")
+    if a.backend == "nccl-cupy":
+        if not torch.cuda.is_available():
+            p.error("--backend nccl-cupy needs CUDA GPUs (and pip install 'ringddp[cuda]')")
+        if a.data == "scatter":
+            p.error("--data scatter ships CPU tensors; use --data sampler with --backend nccl-cupy")
     return Config(
         world_size=a.world_size, backend=a.backend, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
         hidden=a.hidden, bucket_mb=a.bucket_mb, naive=a.naive, accum=a.accum, data=a.data, seed=a.seed,

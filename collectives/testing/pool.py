@@ -23,7 +23,7 @@ import multiprocessing.connection
 import time
 from typing import Any, Callable
 
-from ..launch import LaunchError, _raise_failure, _stop, error_report, join_local, start_store
+from ..launch import LaunchError, _raise_failure, _stop, error_report, join_local, read_report, send_report, start_store
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,9 @@ def _worker(rank: int, size: int, port: int, backend: str | None, timeout: float
 
     try:
         join_local(rank, size, port, backend, timeout, level)
-        conn.send(("ready", None))
+        send_report(conn, ("ready", None))
     except BaseException as exc:
-        conn.send(error_report(exc))
+        send_report(conn, error_report(exc))
         return
     try:
         while True:
@@ -47,9 +47,9 @@ def _worker(rank: int, size: int, port: int, backend: str | None, timeout: float
                 return
             fn, args = job
             try:
-                conn.send(("ok", fn(rank, size, *args)))
+                send_report(conn, ("ok", fn(rank, size, *args)))
             except BaseException as exc:
-                conn.send(error_report(exc))
+                send_report(conn, error_report(exc))
     finally:
         destroy_process_group()
 
@@ -134,7 +134,7 @@ class WorkerPool:
                 if rank in reports:
                     continue
                 try:
-                    reports[rank] = self._conns[rank].recv() if self._conns[rank].poll(0.2) else ("died", self._procs[rank].exitcode)
+                    reports[rank] = read_report(self._conns[rank]) if self._conns[rank].poll(0.2) else ("died", self._procs[rank].exitcode)
                 except (EOFError, OSError):
                     reports[rank] = ("died", self._procs[rank].exitcode)
         return reports

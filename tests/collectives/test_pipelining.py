@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import collectives
+from collectives.engine import Tuning
 from collectives.testing import assert_matches_reference, cases
 
 RING_USERS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -32,4 +33,5 @@ def test_pipelined_rings_match_torch(pools, world_size):
     try:
         check()
     finally:
-        pool.run(set_tuning, 1 << 20, 4, 64 * 1024)
+        default = Tuning()
+        pool.run(set_tuning, default.segment_bytes, default.depth, default.small_bytes)

@@ -218,8 +218,7 @@ LAUNCHES = {
 
 
 def _np(ts) -> list[np.ndarray]:
-    # numpy, not tensors: the launcher's result pipe cannot carry tensors (see the report in
-    # docs/ddp.md), and numpy arrays pickle by value.
+    # plain numpy copies: small to ship back to the test process, compared with numpy
     return [t.detach().cpu().numpy().copy() for t in ts]
 
 
