@@ -191,14 +191,15 @@ HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':
 
 
 def format_row(r: dict) -> str:
-    def num(x: float, fmt: str) -> str:
-        return format(x, fmt) if x == x else "-"
+    def num(x: float, width: int, digits: int, suffix: str = "") -> str:
+        text = f"{x:.{digits}f}{suffix}" if x == x else "-"  # NaN: no such row (e.g. no wire row)
+        return text.rjust(width)
 
     return (f"{r['op']:<15}{r['world_size']:>2} {r['dtype']:<9}{_human(r['bytes']):>7}{r['count']:>11} |"
-            f"{num(r['ours_us'], '10.1f')}{num(r['ours_algbw'], '7.2f')}{num(r['ours_busbw'], '7.2f')}{r['wrong']:>7} |"
-            f"{num(r['torch_us'], '10.1f')}{num(r['torch_busbw'], '7.2f')} |"
-            f"{num(r['wire_us'], '10.1f')}{num(r['wire_busbw'], '7.2f')} |"
-            f"{num(r['vs_torch'], '8.2f')}x{num(r['vs_wire'], '7.2f')}x")
+            f"{num(r['ours_us'], 10, 1)}{num(r['ours_algbw'], 7, 2)}{num(r['ours_busbw'], 7, 2)}{r['wrong']:>7} |"
+            f"{num(r['torch_us'], 10, 1)}{num(r['torch_busbw'], 7, 2)} |"
+            f"{num(r['wire_us'], 10, 1)}{num(r['wire_busbw'], 7, 2)} |"
+            f"{num(r['vs_torch'], 9, 2, 'x')}{num(r['vs_wire'], 8, 2, 'x')}")
 
 
 def plot(rows: list[dict], path: str) -> None:
