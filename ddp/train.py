@@ -85,12 +85,11 @@ def make_model(hidden: int) -> nn.Module:
     )
 
 
-def _loader(cfg: Config, rank: int, world_size: int, x: torch.Tensor | None, y: torch.Tensor | None):
+def _loader(cfg: Config, rank: int, world_size: int, x: torch.Tensor, y: torch.Tensor):
     """(loader, set_epoch) for this rank's share of the training rows."""
-    if cfg.data == "scatter":
+    if cfg.data == "scatter":  # only rank 0's copy is used; the others receive their shard
         shard = ScatterDataset((x, y) if rank == 0 else None, src=0, shuffle=True, seed=cfg.seed)
         return DataLoader(shard, batch_size=cfg.batch_size, shuffle=False), shard.set_epoch
-    assert x is not None and y is not None
     full = TensorDataset(x, y)
     sampler = DistributedSampler(full, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
     return DataLoader(full, batch_size=cfg.batch_size, sampler=sampler), sampler.set_epoch
@@ -155,8 +154,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
         if rank == 0:
             log.info("bucket layout (%d buckets, launched in this order):\n%s", len(model.buckets), model.describe_buckets())
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    scatter = cfg.data == "scatter"
-    loader, set_epoch = _loader(cfg, rank, world_size, None if scatter and rank else x_train, None if scatter and rank else y_train)
+    loader, set_epoch = _loader(cfg, rank, world_size, x_train, y_train)
 
     # Every rank must take the same number of steps (a scatter shard may be one row shorter).
     steps = torch.tensor([len(loader)], dtype=torch.int64, device=device)

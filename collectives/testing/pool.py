@@ -23,7 +23,7 @@ import multiprocessing.connection
 import time
 from typing import Any, Callable
 
-from ..launch import LaunchError, _raise_failure, _stop, error_report, join_local, read_report, send_report, start_store
+from ..launch import LaunchError, _raise_failure, _read_report, _stop, error_report, join_local, send_report, start_store
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,7 @@ class WorkerPool:
                 rank = pending[ready]
                 if rank in reports:
                     continue
-                try:
-                    reports[rank] = read_report(self._conns[rank]) if self._conns[rank].poll(0.2) else ("died", self._procs[rank].exitcode)
-                except (EOFError, OSError):
-                    reports[rank] = ("died", self._procs[rank].exitcode)
+                reports[rank] = _read_report(self._conns[rank], self._procs[rank])
         return reports
 
     def close(self) -> None:
@@ -146,10 +143,7 @@ class WorkerPool:
                 conn.send(None)
             except (OSError, BrokenPipeError):
                 pass
-        deadline = time.monotonic() + 5
-        for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        _stop(self._procs)
+        _stop(self._procs, exit_grace=5.0)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._store = [], [], None
