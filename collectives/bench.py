@@ -1,13 +1,15 @@
 """nccl-tests-style benchmark: our collectives next to torch's built-in, in the same run.
 
     python -m collectives.bench --ops all_reduce --world-sizes 2,4 --dtypes float32,float16
+    python -m collectives.bench --backend nccl-cupy --world-sizes 1      # GPU: ours over NCCL vs torch NCCL
 
 For every (world size, op, dtype, size) it times our collective, torch's built-in collective
-(``torch`` backend) and — for all_reduce and reduce_scatter — a *wire* row: the same ring
+(``torch`` backend: gloo on CPU, NCCL with ``--backend nccl-cupy``) and — for all_reduce and reduce_scatter — a *wire* row: the same ring
 exchanges with no reduction (two ring all-gathers for all_reduce, one for reduce_scatter), the
 practical limit of the transport. Calls are interleaved (ours, torch, wire, ours, ...) on the
-same, reused buffers; every timed call starts after a barrier; the reported time is the median
-over iterations of the slowest rank. Results are checked against torch's (#wrong = elements that
+same, reused buffers; in-place inputs are restored *before* the barrier that starts each timed
+call, so only the collective is timed (on GPU the device is synchronised before the barrier
+and before the clock stops); the reported time is the median over iterations of the slowest rank. Results are checked against torch's (#wrong = elements that
 differ; inputs are small integers so the sums are exact).
 
 Columns: ``time`` in microseconds; ``algbw`` = size / time; ``busbw`` = algbw × the nccl-tests
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as tdist
 
 from . import api, ring
-from .group import get_default_group, new_group
+from .group import Group, get_default_group, new_group
 from .launch import launch
 
 log = logging.getLogger(__name__)
@@ -65,25 +67,28 @@ def _human(nbytes: int) -> str:
 class _Case:
     """Buffers for one (op, dtype, size), allocated once and reused by every backend and iteration."""
 
-    def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int):
+    def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int, device: torch.device):
         self.op, self.rank, self.n = op, rank, n
         esize = torch.empty((), dtype=dtype).element_size()
         count = max(n, nbytes // esize // n * n)  # divisible by n: every op can use it
         self.count = count
         g = torch.Generator().manual_seed(rank)
-        self.pristine = torch.randint(0, 5, (count,), generator=g).to(dtype)
+        self.pristine = torch.randint(0, 5, (count,), generator=g).to(device=device, dtype=dtype)
         self.work = self.pristine.clone()
-        self.out = torch.empty(count, dtype=dtype)
+        self.out = torch.empty(count, dtype=dtype, device=device)
         self.piece = count // n
-        self.small = torch.empty(self.piece, dtype=dtype)
+        self.small = torch.empty(self.piece, dtype=dtype, device=device)
+
+    def prepare(self) -> None:
+        """Restore the in-place ops' input; runs before the timed region, never inside it."""
+        if self.op in ("all_reduce", "broadcast"):
+            self.work.copy_(self.pristine)
 
     def run(self, backend: str, group: Any) -> None:
         op, w, out, n = self.op, self.work, self.out, self.n
         if op == "all_reduce":
-            w.copy_(self.pristine)
             api.all_reduce(w, group=group)
         elif op == "broadcast":
-            w.copy_(self.pristine)
             api.broadcast(w, src=0, group=group)
         elif op == "reduce_scatter":
             api.reduce_scatter_tensor(self.small, self.pristine, group=group)
@@ -123,46 +128,65 @@ class _Case:
         return self.count * self.pristine.element_size()
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[], Any]) -> float:
+    prepare()
+    sync()
     tdist.barrier()
     start = time.perf_counter()
     fn()
+    sync()  # torch's NCCL collectives return before the GPU is done
     return time.perf_counter() - start
+
+
+def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Group, Callable[[], Any]]:
+    """The device, the reference group (torch's collectives) and a device sync for ``backend``.
+
+    ``p2p``: CPU tensors, torch's collectives on the same gloo group. ``nccl-cupy``: rank ``r``
+    on ``cuda:r % device_count``, torch's collectives on a new torch NCCL group.
+    """
+    if backend == "p2p":
+        return torch.device("cpu"), new_group(backend="torch"), lambda: None
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    world = get_default_group()
+    nccl = tdist.new_group(backend="nccl")
+    return device, Group(nccl, world.ranks, "torch", world.timeout, "torch-nccl"), torch.cuda.synchronize
 
 
 def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
     if iters:
         return max(1, iters // 5), iters
-    timed = int(min(40, max(5, (256 << 20) // max(nbytes, 1))))
+    timed = int(min(40, max(10, (512 << 20) // max(nbytes, 1))))
     return 2, timed
 
 
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
-               segment_bytes: int | None, small_bytes: int | None = None) -> list[dict]:
+               tuning: dict[str, int], backend: str = "p2p") -> list[dict]:
+    """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`."""
     torch.set_num_threads(1)
     ours = get_default_group()
-    if segment_bytes:
-        ours.tuning.segment_bytes = segment_bytes
-    if small_bytes is not None:
-        ours.tuning.small_bytes = small_bytes
-    reference = new_group(backend="torch")
-    engine = ours.engine(torch.device("cpu"), "bench")
+    for field, value in tuning.items():
+        setattr(ours.tuning, field, value)
+    device, reference, sync = _setup(rank, n, backend)
+    engine = ours.engine(device, "bench")
     rows = []
     for op in ops:
         for dtype_name in dtypes:
             for nbytes in sizes:
-                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n)
+                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device)
                 warm, timed = _iterations(nbytes, iters)
                 times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
+                case.prepare()
                 case.run("torch", reference)
                 expected = case.result()
+                case.prepare()
                 case.run("ours", None)
                 wrong = int((case.result() != expected).sum())
                 has_wire = case.wire(engine)
                 for i in range(warm + timed):
-                    t_ours = _timed(lambda: case.run("ours", None))
-                    t_torch = _timed(lambda: case.run("torch", reference))
-                    t_wire = _timed(lambda: case.wire(engine)) if has_wire else float("nan")
+                    t_ours = _timed(case.prepare, lambda: case.run("ours", None), sync)
+                    t_torch = _timed(case.prepare, lambda: case.run("torch", reference), sync)
+                    t_wire = _timed(case.prepare, lambda: case.wire(engine), sync) if has_wire else float("nan")
                     if i >= warm:
                         times["ours"].append(t_ours)
                         times["torch"].append(t_torch)
@@ -174,7 +198,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     size = case.size_bytes()
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
-                           "wrong": int(med[3])}
+                           "wrong": int(med[3]), "backend": backend}
                     for k, t in zip(("ours", "torch", "wire"), med[:3].tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else float("nan")
@@ -183,6 +207,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else float("nan")
                     rows.append(row)
                     log.info("%s", format_row(row))
+    if backend != "p2p":
+        reference.close()  # built here, not registered with destroy_process_group
     return rows
 
 
@@ -229,15 +255,22 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m collectives.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="p2p", choices=("p2p", "nccl-cupy"),
+                   help="p2p: CPU tensors, ours over gloo send/recv vs torch's gloo collectives; "
+                        "nccl-cupy: CUDA tensors (rank r on cuda:r %% device count), ours over CuPy NCCL "
+                        "send/recv vs torch's NCCL collectives")
     p.add_argument("--ops", default="all_reduce", help=f"comma list or 'all' ({','.join(OPS)})")
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--dtypes", default="float32", help=f"comma list of {','.join(DTYPES)}")
     p.add_argument("--min-bytes", default="4K")
     p.add_argument("--max-bytes", default="64M")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size, 5-40)")
-    p.add_argument("--segment-bytes", type=_parse_size, default=None, help="ring pipelining segment")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size, 10-40)")
+    p.add_argument("--segment-bytes", type=_parse_size, default=None,
+                   help="ring/chain pipelining segment (default: the group's tuning)")
     p.add_argument("--small-bytes", type=_parse_size, default=None,
                    help="largest message for the latency-optimal algorithms (default: the group's tuning)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -246,15 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in ops if o not in OPS] + [d for d in args.dtypes.split(",") if d not in DTYPES]
     if bad:
         p.error(f"unknown op/dtype: {bad}")
+    if args.backend == "nccl-cupy" and not torch.cuda.is_available():
+        p.error("--backend nccl-cupy needs CUDA: a CUDA build of torch, a visible GPU and CuPy "
+                "(pip install 'ringddp[cuda]'); this torch sees no GPU")
     sizes, s = [], _parse_size(args.min_bytes)
     while s <= _parse_size(args.max_bytes):
         sizes.append(s)
         s *= 2
+    tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),
+                                 ("depth", args.depth)) if v is not None}
     rows: list[dict] = []
     print(HEADER)
     for n in (int(x) for x in args.world_sizes.split(",")):
-        result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, args.segment_bytes, args.small_bytes,
-                        log_level=logging.WARNING)[0]
+        result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend,
+                        backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
             print(format_row(r))
         sys.stdout.flush()

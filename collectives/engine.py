@@ -38,8 +38,8 @@ class Tuning:
         depth: how many segments a ring keeps on the wire ahead of the one being reduced.
     """
 
-    small_bytes: int = 1 << 20
-    segment_bytes: int = 1 << 20
+    small_bytes: int = 4 << 20
+    segment_bytes: int = 4 << 20
     depth: int = 4
 
 

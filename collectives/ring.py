@@ -34,7 +34,13 @@ Pipelining
     combined and immediately sent on as segment ``j`` of step ``s + 1``, while later segments are
     still on the wire; ``depth`` receives are kept posted ahead into a small reusable staging
     buffer. The wire, the peer's wire and the local adder all work at once, and a large step no
-    longer waits for its whole chunk before forwarding any of it.
+    longer waits for its whole chunk before forwarding any of it. All-reduce runs its two phases
+    as *one* stream of messages: a segment of the owner's chunk starts its all-gather trip as
+    soon as its last contribution is in, instead of after the whole reduce-scatter has drained.
+
+    Each message also costs a fixed overhead (posting, waking the receiver, Python), which on a
+    busy loopback host is worth a few hundred KB of transfer; hence few, large segments
+    (``Tuning.segment_bytes``, 4 MiB by default) rather than many small ones.
 
 Every function takes a contiguous 1-D ``buf`` and ``bounds``, the ``n + 1`` offsets that cut it
 into chunks (chunk ``c`` is ``buf[bounds[c]:bounds[c + 1]]``); chunks may differ in size or be
@@ -112,6 +118,72 @@ def _piece(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor | None:
     return buf[lo:hi] if hi > lo else None
 
 
+def _ring(
+    transport: Transport,
+    buf: torch.Tensor,
+    bounds: list[int],
+    segment_elems: int,
+    depth: int,
+    reduce_steps: int,
+    gather_steps: int,
+    op: ReduceOp = ReduceOp.SUM,
+    workspace: Workspace | None = None,
+) -> None:
+    """Run ``reduce_steps`` reduce-scatter steps then ``gather_steps`` all-gather steps as one stream.
+
+    Message ``m`` is segment ``j = m % k`` of step ``s = m // k``. The two phases share one
+    pipeline, so the all-gather does not wait for the whole reduce-scatter to drain: segment
+    ``j`` of the owner's chunk is forwarded as soon as its last contribution has been combined
+    (and, for AVG in a full all-reduce, divided), while later segments are still being reduced.
+
+    Reduce-scatter arrivals land in ``lag + 1`` reusable staging slots taken from ``workspace``
+    and are combined into ``buf``; all-gather arrivals land directly in their final place. A
+    segment sent at step ``s + 1`` is the one that arrived at step ``s`` (``k`` messages earlier),
+    hence ``lag < k``.
+    """
+    n, r = transport.world_size, transport.rank
+    segs = segments(bounds, segment_elems)
+    k = len(segs[0])
+    lag = min(depth, k - 1)
+    finishes = reduce_steps == n - 1 and gather_steps > 0  # full all-reduce: owner finishes AVG
+    staging = None
+    if reduce_steps:
+        seg_cap = max(hi - lo for chunk in segs for lo, hi in chunk)
+        staging = workspace.get("ring-staging", (lag + 1) * seg_cap, buf.dtype, buf.device)
+
+    def chunks(m: int) -> tuple[int, int]:
+        """(chunk sent, chunk received) by message ``m``."""
+        s = m // k
+        if s < reduce_steps:
+            return (r - s - 1) % n, (r - s - 2) % n
+        s -= reduce_steps
+        return (r - s) % n, (r - s - 1) % n
+
+    def slot(m: int, size: int) -> torch.Tensor:
+        start = (m % (lag + 1)) * seg_cap
+        return staging[start : start + size]
+
+    def outgoing(m: int) -> torch.Tensor | None:
+        return _piece(buf, *segs[chunks(m)[0]][m % k])
+
+    def incoming(m: int) -> torch.Tensor | None:
+        lo, hi = segs[chunks(m)[1]][m % k]
+        if hi == lo:
+            return None
+        return slot(m, hi - lo) if m // k < reduce_steps else buf[lo:hi]
+
+    def arrived(m: int) -> None:
+        s = m // k
+        lo, hi = segs[chunks(m)[1]][m % k]
+        if s >= reduce_steps or hi == lo:
+            return
+        combine(op, buf[lo:hi], slot(m, hi - lo), out=buf[lo:hi])
+        if finishes and s == n - 2:  # this segment of our own chunk is now complete
+            finish(op, buf[lo:hi], n)
+
+    _pipeline(transport, (reduce_steps + gather_steps) * k, outgoing, incoming, arrived, lag)
+
+
 def reduce_scatter(
     transport: Transport,
     buf: torch.Tensor,
@@ -123,44 +195,11 @@ def reduce_scatter(
 ) -> None:
     """Ring reduce-scatter in place: rank ``r`` ends with chunk ``r`` of ``buf`` fully reduced.
 
-    Message ``m`` is segment ``m % k`` of step ``m // k``. Incoming segments land in
-    ``lag + 1`` reusable staging slots taken from ``workspace`` and are combined into ``buf``;
-    the segment sent at step ``s + 1`` is the one combined at step ``s``, hence ``lag < k``.
-    AVG is left as a SUM here; the caller applies :func:`~collectives.ops.finish` to its chunk.
+    Cost ``(n - 1) α + (n - 1)/n · S β``. AVG is left as a SUM here; the caller applies
+    :func:`~collectives.ops.finish` to its chunk.
     """
-    n, r = transport.world_size, transport.rank
-    if n == 1:
-        return
-    segs = segments(bounds, segment_elems)
-    k = len(segs[0])
-    lag = min(depth, k - 1)
-    seg_cap = max(hi - lo for chunk in segs for lo, hi in chunk)
-    staging = workspace.get("ring-staging", (lag + 1) * seg_cap, buf.dtype, buf.device)
-
-    def sent(m: int) -> tuple[int, int]:
-        return segs[(r - m // k - 1) % n][m % k]
-
-    def received(m: int) -> tuple[int, int]:
-        return segs[(r - m // k - 2) % n][m % k]
-
-    def slot(m: int) -> torch.Tensor:
-        lo, hi = received(m)
-        start = (m % (lag + 1)) * seg_cap
-        return staging[start : start + hi - lo]
-
-    def combine_arrival(m: int) -> None:
-        lo, hi = received(m)
-        if hi > lo:
-            combine(op, buf[lo:hi], slot(m), out=buf[lo:hi])
-
-    _pipeline(
-        transport,
-        (n - 1) * k,
-        outgoing=lambda m: _piece(buf, *sent(m)),
-        incoming=lambda m: slot(m) if received(m)[1] > received(m)[0] else None,
-        arrived=combine_arrival,
-        lag=lag,
-    )
+    if transport.world_size > 1:
+        _ring(transport, buf, bounds, segment_elems, depth, transport.world_size - 1, 0, op, workspace)
 
 
 def all_gather(
@@ -168,21 +207,10 @@ def all_gather(
 ) -> None:
     """Ring all-gather in place: on entry rank ``r`` holds chunk ``r``; on exit every chunk.
 
-    Received segments land directly in their final place in ``buf``; nothing is combined.
+    Cost ``(n - 1) α + (n - 1)/n · S β``; nothing is combined, received segments land in place.
     """
-    n, r = transport.world_size, transport.rank
-    if n == 1:
-        return
-    segs = segments(bounds, segment_elems)
-    k = len(segs[0])
-    _pipeline(
-        transport,
-        (n - 1) * k,
-        outgoing=lambda m: _piece(buf, *segs[(r - m // k) % n][m % k]),
-        incoming=lambda m: _piece(buf, *segs[(r - m // k - 1) % n][m % k]),
-        arrived=lambda m: None,
-        lag=min(depth, k - 1),
-    )
+    if transport.world_size > 1:
+        _ring(transport, buf, bounds, segment_elems, depth, 0, transport.world_size - 1)
 
 
 def all_reduce(
@@ -193,16 +221,16 @@ def all_reduce(
     segment_elems: int,
     depth: int = 4,
 ) -> None:
-    """Ring all-reduce of ``buf`` in place: reduce-scatter, then all-gather.
+    """Ring all-reduce of ``buf`` in place: reduce-scatter, then all-gather, as one pipeline.
 
     Cost ``2(n - 1) α + 2(n - 1)/n · S β``; results are bitwise identical on all ranks because
     each chunk is reduced (and, for AVG, divided) once by its owner before being copied around.
     """
-    n, r = transport.world_size, transport.rank
-    bounds = balanced_bounds(buf.numel(), n)
-    reduce_scatter(transport, buf, bounds, op, workspace, segment_elems, depth)
-    finish(op, buf[bounds[r] : bounds[r + 1]], n)
-    all_gather(transport, buf, bounds, segment_elems, depth)
+    n = transport.world_size
+    if n == 1:
+        finish(op, buf, n)
+        return
+    _ring(transport, buf, balanced_bounds(buf.numel(), n), segment_elems, depth, n - 1, n - 1, op, workspace)
 
 
 def chain_broadcast(
@@ -212,12 +240,13 @@ def chain_broadcast(
 
     The root streams ``k`` segments to its right neighbour; every other rank receives segment
     ``j`` while forwarding segment ``j - 1``. Cost ``(n - 2 + k)(α + S β / k)``: for large ``S``
-    close to ``S β`` whatever ``n``, where a binomial tree pays ``log2(n) · S β``.
+    close to ``S β`` whatever ``n``, where a binomial tree pays ``log2(n) · S β``. With two ranks
+    nobody forwards, so segments would only add ``α`` each: the buffer goes as one message.
     """
     n, r = transport.world_size, transport.rank
     if n == 1 or buf.numel() == 0:
         return
-    pieces = segments([0, buf.numel()], segment_elems)[0]
+    pieces = segments([0, buf.numel()], segment_elems if n > 2 else buf.numel())[0]
     k = len(pieces)
     if r == src:
         _pipeline(transport, k, lambda m: _piece(buf, *pieces[m]), lambda m: None, lambda m: None, depth)

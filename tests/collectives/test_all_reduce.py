@@ -44,7 +44,7 @@ def test_random_floats_within_rounding_and_identical_on_all_ranks(pools, world_s
 
 
 def large_exact(rank, world_size):
-    n = 3 * (1 << 20) + 7  # 12 MB of float32: several 1 MB segments per ring step
+    n = 3 * (1 << 20) + 7  # 12 MB of float32: ring and chain with the default 4 MiB segments
     x = (torch.arange(n, dtype=torch.float32) % 17) * (rank + 1)
     ours, ref = x.clone(), x.clone()
     collectives.all_reduce(ours)

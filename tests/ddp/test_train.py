@@ -53,3 +53,25 @@ def test_naive_scatter_accumulation_on_three_ranks():
 def test_bad_arguments_are_rejected():
     out = run_train("--world-size", "0")
     assert out.returncode == 2 and "--world-size" in out.stderr
+
+
+def _losses(out: subprocess.CompletedProcess) -> list[float]:
+    return [float(x) for x in re.findall(r"train loss ([\d.]+)", out.stderr)]
+
+
+@pytest.mark.timeout(600)
+def test_gpu_training_matches_the_cpu_run():
+    """The same job on the nccl-cupy backend (one GPU per rank) follows the CPU run's losses."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible: the GPU training run is skipped")
+    pytest.importorskip("cupy", reason="CuPy is not installed (pip install ringddp[cuda])")
+    n = "2" if torch.cuda.device_count() >= 2 else "1"  # NCCL allows one rank per GPU
+    gpu = run_train("--epochs", "3", "-n", n, "--backend", "nccl-cupy")
+    cpu = run_train("--epochs", "3", "-n", n, "--backend", "p2p")
+    assert gpu.returncode == 0, gpu.stderr[-3000:]
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    # Same seeds and data; only float rounding differs between the devices' kernels.
+    assert _losses(gpu) == pytest.approx(_losses(cpu), rel=2e-3) and len(_losses(gpu)) == 3
+    assert abs(final_accuracy(gpu) - final_accuracy(cpu)) <= 1.0

@@ -1,0 +1,47 @@
+"""Smoke test of ``python -m collectives.bench``: every op at two tiny sizes, checked, JSON and PNG out."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from collectives import bench
+
+
+@pytest.mark.timeout(180)
+def test_bench_every_op_table_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["--ops", "all", "--world-sizes", "2", "--dtypes", "float32,float16", "--min-bytes", "4K",
+            "--max-bytes", "8K", "--iters", "2", "--segment-bytes", "1K", "--json", str(out), "--plot", str(png)]
+    assert bench.main(argv) == 0
+
+    rows = json.loads(out.read_text())
+    assert {(r["op"], r["dtype"], r["bytes"]) for r in rows} == {
+        (op, dtype, size) for op in bench.OPS for dtype in ("float32", "float16") for size in (4096, 8192)
+    }
+    for r in rows:
+        assert r["wrong"] == 0 and r["world_size"] == 2 and r["backend"] == "p2p"
+        for key in ("ours_us", "ours_busbw", "torch_us", "torch_busbw", "vs_torch"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["op"], key)
+        has_wire = r["op"] in ("all_reduce", "reduce_scatter")
+        assert math.isfinite(r["wire_busbw"]) == has_wire
+    assert png.stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "vs torch" in table and table.count("all_reduce") == 4
+
+
+def test_bench_rejects_gpu_mode_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the GPU mode runs instead of being refused")
+    with pytest.raises(SystemExit):
+        bench.main(["--backend", "nccl-cupy"])
+    assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_bench_rejects_unknown_ops(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--ops", "all_reduce,allreduce"])
+    assert "allreduce" in capsys.readouterr().err
