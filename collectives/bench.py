@@ -16,6 +16,9 @@ Columns: ``time`` in microseconds; ``algbw`` = size / time; ``busbw`` = algbw ×
 factor (all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all, scatter, gather (n-1)/n;
 broadcast 1), which makes numbers comparable across world sizes: it is the bandwidth each rank's
 link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are faster).
+``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
+threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
+fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import statistics
 import sys
 import time
+from math import nan
 from typing import Any, Callable
 
 import torch
@@ -128,14 +133,21 @@ class _Case:
         return self.count * self.pristine.element_size()
 
 
-def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[], Any]) -> float:
+def _cpu_seconds() -> float:
+    """CPU time of this process so far, all threads (ours, gloo's I/O threads) and the kernel's share."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[], Any]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one call of ``fn``, started after a barrier."""
     prepare()
     sync()
     tdist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     fn()
     sync()  # torch's NCCL collectives return before the GPU is done
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _cpu_seconds() - cpu
 
 
 def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Group, Callable[[], Any]]:
@@ -176,6 +188,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                 case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device)
                 warm, timed = _iterations(nbytes, iters)
                 times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
+                cpu: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
                 case.prepare()
                 case.run("torch", reference)
                 expected = case.result()
@@ -184,23 +197,29 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                 wrong = int((case.result() != expected).sum())
                 has_wire = case.wire(engine)
                 for i in range(warm + timed):
-                    t_ours = _timed(case.prepare, lambda: case.run("ours", None), sync)
-                    t_torch = _timed(case.prepare, lambda: case.run("torch", reference), sync)
-                    t_wire = _timed(case.prepare, lambda: case.wire(engine), sync) if has_wire else float("nan")
+                    measured = {
+                        "ours": _timed(case.prepare, lambda: case.run("ours", None), sync),
+                        "torch": _timed(case.prepare, lambda: case.run("torch", reference), sync),
+                        "wire": _timed(case.prepare, lambda: case.wire(engine), sync) if has_wire else (nan, nan),
+                    }
                     if i >= warm:
-                        times["ours"].append(t_ours)
-                        times["torch"].append(t_torch)
-                        times["wire"].append(t_wire)
-                med = torch.tensor([statistics.median(times[k]) for k in ("ours", "torch", "wire")] + [wrong],
-                                   dtype=torch.float64)
+                        for k, (wall, used) in measured.items():
+                            times[k].append(wall)
+                            cpu[k].append(used)
+                variants = ("ours", "torch", "wire")
+                med = torch.tensor([statistics.median(times[k]) for k in variants] + [wrong], dtype=torch.float64)
                 tdist.all_reduce(med, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
+                cpu_med = torch.tensor([statistics.median(cpu[k]) for k in variants], dtype=torch.float64)
+                tdist.all_reduce(cpu_med)  # CPU per call: the mean over ranks
+                cpu_med /= n
                 if rank == 0:
                     size = case.size_bytes()
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
                            "wrong": int(med[3]), "backend": backend}
-                    for k, t in zip(("ours", "torch", "wire"), med[:3].tolist()):
+                    for k, t, c in zip(variants, med[:3].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
+                        row[f"{k}_cpu_ms"] = c * 1e3
                         row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else float("nan")
                         row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
                     row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
@@ -216,7 +235,10 @@ HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':
           f"{'#wrong':>7} |{'torch us':>10}{'busbw':>7} |{'wire us':>10}{'busbw':>7} |{'vs torch':>9}{'vs wire':>8}")
 
 
-def format_row(r: dict) -> str:
+CPU_HEADER = f" |{'cpu ms: ours':>14}{'torch':>7}{'wire':>7}"
+
+
+def format_row(r: dict, cpu: bool = False) -> str:
     def num(x: float, width: int, digits: int, suffix: str = "") -> str:
         text = f"{x:.{digits}f}{suffix}" if x == x else "-"  # NaN: no such row (e.g. no wire row)
         return text.rjust(width)
@@ -225,7 +247,8 @@ def format_row(r: dict) -> str:
             f"{num(r['ours_us'], 10, 1)}{num(r['ours_algbw'], 7, 2)}{num(r['ours_busbw'], 7, 2)}{r['wrong']:>7} |"
             f"{num(r['torch_us'], 10, 1)}{num(r['torch_busbw'], 7, 2)} |"
             f"{num(r['wire_us'], 10, 1)}{num(r['wire_busbw'], 7, 2)} |"
-            f"{num(r['vs_torch'], 9, 2, 'x')}{num(r['vs_wire'], 8, 2, 'x')}")
+            f"{num(r['vs_torch'], 9, 2, 'x')}{num(r['vs_wire'], 8, 2, 'x')}"
+            + (f" |{num(r['ours_cpu_ms'], 14, 1)}{num(r['torch_cpu_ms'], 7, 1)}{num(r['wire_cpu_ms'], 7, 1)}" if cpu else ""))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -271,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="largest message for the latency-optimal algorithms (default: the group's tuning)")
     p.add_argument("--depth", type=int, default=None,
                    help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
+    p.add_argument("--cpu", action="store_true",
+                   help="also print CPU ms per call (user + system, all threads, mean over ranks)")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -289,12 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),
                                  ("depth", args.depth)) if v is not None}
     rows: list[dict] = []
-    print(HEADER)
+    print(HEADER + (CPU_HEADER if args.cpu else ""))
     for n in (int(x) for x in args.world_sizes.split(",")):
         result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend,
                         backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
-            print(format_row(r))
+            print(format_row(r, args.cpu))
         sys.stdout.flush()
         rows += result
     if args.json:

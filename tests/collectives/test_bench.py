@@ -15,7 +15,7 @@ from collectives import bench
 def test_bench_every_op_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["--ops", "all", "--world-sizes", "2", "--dtypes", "float32,float16", "--min-bytes", "4K",
-            "--max-bytes", "8K", "--iters", "2", "--segment-bytes", "1K", "--json", str(out), "--plot", str(png)]
+            "--max-bytes", "8K", "--iters", "2", "--segment-bytes", "1K", "--cpu", "--json", str(out), "--plot", str(png)]
     assert bench.main(argv) == 0
 
     rows = json.loads(out.read_text())
@@ -24,13 +24,13 @@ def test_bench_every_op_table_json_and_plot(tmp_path, capsys):
     }
     for r in rows:
         assert r["wrong"] == 0 and r["world_size"] == 2 and r["backend"] == "p2p"
-        for key in ("ours_us", "ours_busbw", "torch_us", "torch_busbw", "vs_torch"):
+        for key in ("ours_us", "ours_busbw", "torch_us", "torch_busbw", "vs_torch", "ours_cpu_ms", "torch_cpu_ms"):
             assert math.isfinite(r[key]) and r[key] > 0, (r["op"], key)
         has_wire = r["op"] in ("all_reduce", "reduce_scatter")
         assert math.isfinite(r["wire_busbw"]) == has_wire
     assert png.stat().st_size > 0
     table = capsys.readouterr().out
-    assert "vs torch" in table and table.count("all_reduce") == 4
+    assert "vs torch" in table and "cpu ms" in table and table.count("all_reduce") == 4
 
 
 def test_bench_rejects_gpu_mode_without_cuda(capsys):
