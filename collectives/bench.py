@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ring/chain pipelining segment (default: the group's tuning)")
     p.add_argument("--small-bytes", type=_parse_size, default=None,
                    help="largest message for the latency-optimal algorithms (default: the group's tuning)")
+    p.add_argument("--chain-bytes", type=_parse_size, default=None,
+                   help="largest broadcast for the binomial tree; larger ones use the chain (default: the group's tuning)")
     p.add_argument("--depth", type=int, default=None,
                    help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
     p.add_argument("--cpu", action="store_true",
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(s)
         s *= 2
     tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),
-                                 ("depth", args.depth)) if v is not None}
+                                 ("chain_bytes", args.chain_bytes), ("depth", args.depth)) if v is not None}
     rows: list[dict] = []
     print(HEADER + (CPU_HEADER if args.cpu else ""))
     for n in (int(x) for x in args.world_sizes.split(",")):

@@ -33,12 +33,17 @@ class Tuning:
 
     Attributes:
         small_bytes: messages up to this size use the latency-optimal algorithms (recursive
-            doubling, binomial trees); larger ones the bandwidth-optimal ring / chain.
+            doubling, binomial reduce, direct all-gather); larger ones the bandwidth-optimal ring.
+        chain_bytes: broadcasts up to this size use the binomial tree, larger ones the pipelined
+            chain. The tree sends ``n - 1`` messages, the chain ``(n - 1) k``; when ranks share
+            cores (the loopback benchmarks) every message costs CPU and the tree wins up to at
+            least 64 MiB at 4 ranks. On a real network set it to ``small_bytes``.
         segment_bytes: pipelining segment of the ring and chain algorithms.
         depth: how many segments a ring keeps on the wire ahead of the one being reduced.
     """
 
     small_bytes: int = 4 << 20
+    chain_bytes: int = 64 << 20
     segment_bytes: int = 4 << 20
     depth: int = 4
 
@@ -75,7 +80,7 @@ class AlgorithmEngine:
 
     def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
         if algorithm == "auto":
-            algorithm = "binomial" if self._is_small(buf) else "chain"
+            algorithm = "binomial" if buf.numel() * buf.element_size() <= self.tuning.chain_bytes else "chain"
         if algorithm == "chain":
             ring.chain_broadcast(self.transport, buf, src, self._segment_elems(buf), self.tuning.depth)
         else:
