@@ -146,9 +146,8 @@ def _ring(
     k = len(segs[0])
     lag = min(depth, k - 1)
     finishes = reduce_steps == n - 1 and gather_steps > 0  # full all-reduce: owner finishes AVG
-    staging = None
-    if reduce_steps:
-        seg_cap = max(hi - lo for chunk in segs for lo, hi in chunk)
+    seg_cap = max(hi - lo for chunk in segs for lo, hi in chunk)
+    if reduce_steps:  # all-gather needs no staging (and gets no workspace)
         staging = workspace.get("ring-staging", (lag + 1) * seg_cap, buf.dtype, buf.device)
 
     def chunks(m: int) -> tuple[int, int]:
