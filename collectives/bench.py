@@ -4,13 +4,14 @@
     python -m collectives.bench --backend nccl-cupy --world-sizes 1      # GPU: ours over NCCL vs torch NCCL
 
 For every (world size, op, dtype, size) it times our collective, torch's built-in collective
-(``torch`` backend: gloo on CPU, NCCL with ``--backend nccl-cupy``) and — for all_reduce and reduce_scatter — a *wire* row: the same ring
-exchanges with no reduction (two ring all-gathers for all_reduce, one for reduce_scatter), the
-practical limit of the transport. Calls are interleaved (ours, torch, wire, ours, ...) on the
-same, reused buffers; in-place inputs are restored *before* the barrier that starts each timed
-call, so only the collective is timed (on GPU the device is synchronised before the barrier
-and before the clock stops); the reported time is the median over iterations of the slowest rank. Results are checked against torch's (#wrong = elements that
-differ; inputs are small integers so the sums are exact).
+(``torch`` backend: gloo on CPU, NCCL with ``--backend nccl-cupy``) and — for all_reduce and
+reduce_scatter — a *wire* row: the same ring exchanges with no reduction (two ring all-gathers
+for all_reduce, one for reduce_scatter), the practical limit of the transport. Calls are
+interleaved (ours, torch, wire, ours, ...) on the same, reused buffers; in-place inputs are
+restored *before* the barrier that starts each timed call, so only the collective is timed (on
+GPU the device is synchronised before the barrier and before the clock stops); the reported time
+is the median over iterations of the slowest rank. Results are checked against torch's (#wrong =
+elements that differ; inputs are small integers so the sums are exact).
 
 Columns: ``time`` in microseconds; ``algbw`` = size / time; ``busbw`` = algbw × the nccl-tests
 factor (all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all, scatter, gather (n-1)/n;
@@ -220,10 +221,10 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     for k, t, c in zip(variants, med[:3].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_cpu_ms"] = c * 1e3
-                        row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else float("nan")
+                        row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else nan
                         row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
                     row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
-                    row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else float("nan")
+                    row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
                     rows.append(row)
                     log.info("%s", format_row(row))
     if backend != "p2p":

@@ -67,8 +67,9 @@ class AlgorithmEngine:
     def _segment_elems(self, buf: torch.Tensor) -> int:
         return max(1, self.tuning.segment_bytes // buf.element_size())
 
-    def _is_small(self, buf: torch.Tensor) -> bool:
-        return buf.numel() * buf.element_size() <= self.tuning.small_bytes
+    def _is_small(self, buf: torch.Tensor, limit: int | None = None) -> bool:
+        """``buf`` holds at most ``limit`` bytes (default: ``tuning.small_bytes``)."""
+        return buf.numel() * buf.element_size() <= (self.tuning.small_bytes if limit is None else limit)
 
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto":
@@ -80,7 +81,7 @@ class AlgorithmEngine:
 
     def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
         if algorithm == "auto":
-            algorithm = "binomial" if buf.numel() * buf.element_size() <= self.tuning.chain_bytes else "chain"
+            algorithm = "binomial" if self._is_small(buf, self.tuning.chain_bytes) else "chain"
         if algorithm == "chain":
             ring.chain_broadcast(self.transport, buf, src, self._segment_elems(buf), self.tuning.depth)
         else:
