@@ -3,7 +3,9 @@
 Every method takes contiguous 1-D tensors. Two engines share this shape:
 
 * :class:`AlgorithmEngine` — our algorithms (``ring.py``, ``tree.py``, ``direct.py``) over any
-  :class:`~collectives.transport.base.Transport`. It also picks the algorithm by message size.
+  :class:`~collectives.transport.base.Transport`. It also picks the algorithm by message size,
+  and when the transport has shared regions (``shm``) runs ``auto`` all-reduce, broadcast,
+  all-gather and reduce-scatter by direct reads of the peers' regions (``shm_algorithms.py``).
 * :class:`TorchEngine` — torch's own collectives on the same process group: the reference
   backend, used as the oracle in tests and the baseline in benchmarks.
 """
@@ -17,7 +19,7 @@ from typing import ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from . import direct, ring, tree
+from . import direct, ring, shm_algorithms, tree
 from .buffers import Workspace
 from .ops import ReduceOp, finish
 from .transport.base import Transport
@@ -55,6 +57,8 @@ class AlgorithmEngine:
         self.transport = transport
         self.workspace = workspace
         self.tuning = tuning
+        regions = transport.shared_regions()
+        self.regions = regions if transport.world_size > 1 else None
 
     @property
     def name(self) -> str:
@@ -72,6 +76,9 @@ class AlgorithmEngine:
         return buf.numel() * buf.element_size() <= (self.tuning.small_bytes if limit is None else limit)
 
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
+        if algorithm == "auto" and self.regions is not None:
+            shm_algorithms.all_reduce(self.regions, buf, op)
+            return
         if algorithm == "auto":
             algorithm = "recursive_doubling" if self._is_small(buf) else "ring"
         if algorithm == "ring":
@@ -80,6 +87,9 @@ class AlgorithmEngine:
             tree.recursive_doubling_all_reduce(self.transport, buf, op, self.workspace)
 
     def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
+        if algorithm == "auto" and self.regions is not None:
+            shm_algorithms.broadcast(self.regions, buf, src)
+            return
         if algorithm == "auto":
             algorithm = "binomial" if self._is_small(buf, self.tuning.chain_bytes) else "chain"
         if algorithm == "chain":
@@ -104,6 +114,9 @@ class AlgorithmEngine:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, inp.numel()
+        if self.regions is not None:
+            shm_algorithms.all_gather(self.regions, out, inp)
+            return
         if self._is_small(out):  # one round of direct exchanges instead of n - 1 ring steps
             direct.all_to_all(self.transport, [out[i * m : (i + 1) * m] for i in range(n)], [inp] * n)
             return
@@ -112,6 +125,9 @@ class AlgorithmEngine:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, out.numel()
+        if self.regions is not None:
+            shm_algorithms.reduce_scatter(self.regions, out, inp, op)
+            return
         work = self.workspace.get("reduce-scatter", inp.numel(), inp.dtype, inp.device)
         work.copy_(inp)
         ring.reduce_scatter(

@@ -21,6 +21,11 @@ The contract is deliberately small:
 
 Buffers handed to a transport are contiguous; the caller keeps them alive and untouched until
 the request completes.
+
+One optional capability goes beyond messages: :meth:`Transport.shared_regions` returns a
+:class:`SharedRegions` when the ranks share memory (the ``shm`` transport), and ``None``
+otherwise. Algorithms that use it (``collectives/shm_algorithms.py``) read the peers' data where
+it lies and combine straight from it, instead of receiving a copy first.
 """
 
 from __future__ import annotations
@@ -97,8 +102,54 @@ class Transport(abc.ABC):
     def recv(self, tensor: torch.Tensor, peer: Peer) -> None:
         self.irecv(tensor, peer).wait()
 
+    def shared_regions(self) -> "SharedRegions | None":
+        """The ranks' shared regions if this transport has them (see :class:`SharedRegions`)."""
+        return None
+
     def close(self) -> None:
         """Release resources. The transport is unusable afterwards."""
+
+
+class SharedRegions(abc.ABC):
+    """Capability: every rank owns a region of memory that every rank of the group can read.
+
+    A region has two halves of ``piece_bytes`` each. An algorithm processes its buffer in
+    *pieces* of at most ``piece_bytes``; piece ``g`` (counted over the transport's lifetime, on
+    every rank alike) uses half ``g % 2``, so a rank may fill the next piece while slower peers
+    still read the previous one. Every rank runs the same sequence of calls:
+
+    * ``h = begin_piece()`` waits until every peer has finished piece ``g - 2`` (the last user
+      of half ``h``); then the rank may write its own half ``h``.
+    * ``step(wait_for)`` publishes "I have reached the next step" and waits until each rank in
+      ``wait_for`` has reached it too: writes before it are visible to those ranks after it.
+    * ``view(q, h, dtype, numel)`` is rank ``q``'s half ``h`` as a tensor; read a peer's only
+      between a ``step`` that waited for it and ``end_piece``.
+    * ``end_piece()`` publishes that this rank no longer reads anybody's half ``h``.
+
+    Every wait has the transport's deadline and raises
+    :class:`~collectives.errors.CollectiveError` naming the operation and the peer.
+    """
+
+    rank: int
+    world_size: int
+    #: bytes of one half (the largest piece).
+    piece_bytes: int
+
+    @abc.abstractmethod
+    def begin_piece(self) -> int:
+        """Start the next piece; returns the half (0 or 1) it uses."""
+
+    @abc.abstractmethod
+    def view(self, rank: int, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of ``rank``'s half ``half`` as ``dtype``."""
+
+    @abc.abstractmethod
+    def step(self, wait_for: Sequence[int]) -> None:
+        """Arrive at the next step; wait until the ranks in ``wait_for`` have arrived too."""
+
+    @abc.abstractmethod
+    def end_piece(self) -> None:
+        """Finish the current piece: this rank reads no region's half of it any more."""
 
 
 def wait_all(requests: Sequence[Request]) -> None:

@@ -1,0 +1,574 @@
+"""Shared-memory transport: the ranks of one host exchange bytes through mapped memory.
+
+On one host a socket transport copies every byte user → kernel → user and wakes I/O threads;
+here a sender copies straight into memory the receiver has mapped, and the receiver copies out.
+
+Segments
+    Every rank creates one segment in ``RINGDDP_SHM_DIR`` (default ``/dev/shm``) as an *unnamed*
+    file (``O_TMPFILE``; where that is unsupported, a uniquely named file unlinked right after
+    creation), reserves its space with ``os.posix_fallocate`` (an ``ftruncate``d segment would die
+    with SIGBUS on first touch when the file system is full) and hands the file descriptor to
+    every peer over a unix-domain socket (``SCM_RIGHTS``). So no name ever lingers in /dev/shm,
+    whatever happens to the processes, and two jobs on one machine cannot collide. A segment holds
+
+    * a control block: 64-byte lines of growing ``int64`` counters (below);
+    * a FIFO per peer for messages *to* this rank: ``slots`` slots of ``slot_bytes`` each;
+    * the rank's *region*, two halves that the shared-memory algorithms
+      (``collectives/shm_algorithms.py``) fill and every peer reads directly.
+
+    Size per rank: ``region_bytes + (n - 1) · slots · slot_bytes`` plus 4 KiB, by default
+    8 MiB + (n - 1) · 2 MiB (10 MiB per rank at 2 ranks, 14 MiB at 4, 56 MiB for a 4-rank job).
+    Messages larger than the FIFO stream through it in slot-sized chunks. Set
+    ``RINGDDP_SHM_REGION_BYTES``, ``RINGDDP_SHM_SLOT_BYTES``, ``RINGDDP_SHM_SLOTS`` (rank 0's
+    values are used by every rank). A file system too small fails on every rank with
+    :class:`ShmUnavailableError` naming the size needed and the fixes.
+
+Messages
+    Sender ``s`` owns ``head[s]`` and receiver ``r`` owns ``tail[s]``, both in ``r``'s control
+    block; both only grow. The sender copies a chunk into slot ``head % slots`` when
+    ``head - tail < slots``, records the message's total size next to it, then publishes
+    ``head + 1``; the receiver checks the size against what it posted (a mismatch is an error,
+    never a silent misread), copies the chunk out and publishes ``tail + 1``. Counters are
+    written after the data they cover, behind a full fence. Messages between a pair therefore
+    arrive in the order posted. Progress happens inside :meth:`Request.wait` (and eagerly when a
+    message is posted): a waiting rank moves every pending chunk it can, so a ring step's send
+    and receive advance together.
+
+Waiting
+    Ranks may outnumber cores (4 ranks on 2 cores), so a waiter spins only briefly
+    (``spin_seconds``, yielding the core each turn), then sets its ``sleeping`` flag, fences,
+    checks again and blocks in ``poll`` on its sockets to the peers. Whoever publishes a counter
+    fences, reads the peer's ``sleeping`` flag and, if set, writes one byte to that peer's
+    socket. The same sockets report a dead peer (EOF: the kernel closes them when a process
+    dies, even by SIGKILL), and ``poll`` carries the group's deadline, so a stopped peer gives
+    a :class:`~collectives.errors.CollectiveTimeoutError` and a dead one a
+    :class:`~collectives.errors.CollectiveError`, both naming the operation and the peer.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import logging
+import mmap
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from ..errors import CollectiveError, CollectiveTimeoutError
+from .base import Peer, Request, SharedRegions, Transport
+
+log = logging.getLogger(__name__)
+
+_LINE = 8  # int64 counters per 64-byte cache line
+_SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, asleep flag
+_PAIR = 3 * _LINE  # per sender: head line, tail line, slot-size line
+_MAX_SLOTS = _LINE
+_PAGE = 4096
+_FENCE = threading.Lock()
+_instances = 0
+
+
+def _fence() -> None:
+    """A full memory barrier: a lock's atomic acquire/release (Python has no other)."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+class ShmUnavailableError(RuntimeError):
+    """Shared memory cannot be set up (file system too small, peers on another host, ...)."""
+
+
+def _env_bytes(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    return int(text) if text else default
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmConfig:
+    """Sizes of a segment; rank 0's are used by every rank.
+
+    Attributes:
+        directory: where segments live (a tmpfs: /dev/shm).
+        slot_bytes: size of one FIFO slot: the chunk a long message is streamed in.
+        slots: FIFO depth per pair (at most 8).
+        region_bytes: a rank's region for the shared-memory algorithms (two halves).
+        spin_seconds: how long a waiter polls memory before it blocks.
+    """
+
+    directory: str = "/dev/shm"
+    slot_bytes: int = 512 << 10
+    slots: int = 4
+    region_bytes: int = 8 << 20
+    spin_seconds: float = 50e-6
+
+    @classmethod
+    def from_env(cls) -> "ShmConfig":
+        return cls(
+            directory=os.environ.get("RINGDDP_SHM_DIR", cls.directory),
+            slot_bytes=_env_bytes("RINGDDP_SHM_SLOT_BYTES", cls.slot_bytes),
+            slots=_env_bytes("RINGDDP_SHM_SLOTS", cls.slots),
+            region_bytes=_env_bytes("RINGDDP_SHM_REGION_BYTES", cls.region_bytes),
+        )
+
+    def validate(self) -> None:
+        if not 1 <= self.slots <= _MAX_SLOTS:
+            raise ValueError(f"shm: slots must be 1..{_MAX_SLOTS}, got {self.slots}")
+        if self.slot_bytes < 64 or self.slot_bytes % 64 or self.region_bytes < 128 or self.region_bytes % 128:
+            raise ValueError(
+                f"shm: slot_bytes ({self.slot_bytes}) must be a multiple of 64, region_bytes "
+                f"({self.region_bytes}) a multiple of 128"
+            )
+
+    def control_bytes(self, world_size: int) -> int:
+        return -(-(_PAIR + world_size * _PAIR) * 8 // _PAGE) * _PAGE
+
+    def segment_bytes(self, world_size: int) -> int:
+        """Bytes of one rank's segment."""
+        return self.control_bytes(world_size) + (world_size - 1) * self.slots * self.slot_bytes + self.region_bytes
+
+
+class _Message:
+    """A posted send or receive: ``data`` (bytes of the tensor) moved chunk by chunk."""
+
+    __slots__ = ("data", "tensor", "nbytes", "offset", "chunks", "peer", "kind")
+
+    def __init__(self, tensor: torch.Tensor, peer: Peer, kind: str, slot_bytes: int):
+        self.tensor = tensor  # keeps the caller's storage alive
+        # as_strided: a contiguous tensor of one element may still carry an odd stride
+        flat = tensor.as_strided((tensor.numel(),), (1,)) if tensor.numel() else tensor.new_empty(0)
+        self.data = flat.view(torch.uint8)
+        self.nbytes = self.data.numel()
+        self.offset = 0
+        self.chunks = max(1, -(-self.nbytes // slot_bytes))  # an empty message is one empty chunk
+        self.peer = peer
+        self.kind = kind
+
+
+class ShmRequest(Request):
+    __slots__ = ("_transport", "_message")
+
+    def __init__(self, transport: "ShmTransport", message: _Message):
+        self._transport = transport
+        self._message = message
+
+    def wait(self) -> None:
+        if self._message.chunks:
+            self._transport.wait_message(self._message)
+
+    def is_completed(self) -> bool:
+        if self._message.chunks:
+            self._transport.progress()
+        return not self._message.chunks
+
+
+class ShmTransport(Transport, SharedRegions):
+    """Point-to-point messages and shared regions among the ranks of one host.
+
+    Args:
+        rank, world_size: this process's rank in the group and the group's size.
+        timeout: seconds any wait may block (also bounds the set-up).
+        store: a torch Store private to the group (rendezvous: a random job id, rank 0's sizes,
+            each rank's success); fds travel over unix-domain sockets, never through the store.
+        config: sizes; default :meth:`ShmConfig.from_env`.
+
+    Raises:
+        ShmUnavailableError: on every rank, if any rank cannot create its segment or reach a
+            peer (the message names the rank, the size needed and the fixes).
+    """
+
+    device_type = "cpu"
+
+    def __init__(self, rank: int, world_size: int, timeout: float, store, config: ShmConfig | None = None):
+        Transport.__init__(self, rank, world_size, timeout)
+        global _instances
+        _instances += 1
+        key = f"shm/{_instances}"
+        local = config or ShmConfig.from_env()
+        if rank == 0:
+            local.validate()
+            uid = secrets.token_hex(8)
+            store.set(f"{key}/setup", f"{uid},{local.slot_bytes},{local.slots},{local.region_bytes}")
+        uid, slot, slots, region = store.get(f"{key}/setup").decode().split(",")
+        self.config = dataclasses.replace(local, slot_bytes=int(slot), slots=int(slots), region_bytes=int(region))
+        self._uid = uid
+        cfg, n = self.config, world_size
+        self._size = cfg.segment_bytes(n)
+        self._ctrl_bytes = cfg.control_bytes(n)
+        self._maps: list[mmap.mmap | None] = [None] * n
+        self._socks: dict[Peer, socket.socket] = {}
+        fd = -1
+        failure = ""
+        try:
+            fd = self._create_segment()
+        except (OSError, ShmUnavailableError) as exc:
+            failure = str(exc)
+        store.set(f"{key}/ok/{rank}", failure)
+        failures = [(q, store.get(f"{key}/ok/{q}").decode()) for q in range(n)]
+        failures = [(q, text) for q, text in failures if text]
+        if failures:
+            if fd >= 0:
+                os.close(fd)
+            q, text = failures[0]
+            raise ShmUnavailableError(text if q == rank else f"shm: rank {q} could not set up: {text}")
+        try:
+            fds = self._connect(fd)
+            for q, peer_fd in fds.items():
+                self._maps[q] = self._map(peer_fd)
+                if peer_fd != fd:
+                    os.close(peer_fd)
+        except OSError as exc:
+            self.close()
+            raise ShmUnavailableError(
+                f"shm: rank {rank} could not exchange segments with its peers ({exc}); every rank of the "
+                "group must run on this host in one network namespace (use backend='p2p' otherwise)"
+            ) from exc
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        self._ctrl = [memoryview(m).cast("q") for m in self._maps]  # type: ignore[arg-type]
+        self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]  # type: ignore[arg-type]
+        half = cfg.region_bytes // 2
+        start = self._ctrl_bytes + (n - 1) * cfg.slots * cfg.slot_bytes
+        self._halves = [[b[start + h * half : start + (h + 1) * half] for h in (0, 1)] for b in self._bytes]
+        self.piece_bytes = half
+        self._head = [0] * n  # my sends to q: chunks published (mirror of q's head[me])
+        self._tail = [0] * n  # my receives from q: chunks consumed
+        self._sends: dict[Peer, collections.deque[_Message]] = {q: collections.deque() for q in range(n) if q != rank}
+        self._recvs: dict[Peer, collections.deque[_Message]] = {q: collections.deque() for q in range(n) if q != rank}
+        self._step = 0
+        self._pieces = 0
+        self._dead: set[Peer] = set()
+        self._poll = select.poll()
+        self._fd_peer = {}
+        for q, s in self._socks.items():
+            s.setblocking(False)
+            self._poll.register(s.fileno(), select.POLLIN)
+            self._fd_peer[s.fileno()] = q
+        log.debug("shm transport %s: rank %d/%d, %d bytes per rank", uid, rank, n, self._size)
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def _create_segment(self) -> int:
+        """An unnamed, fully reserved file of ``self._size`` bytes on the segment file system."""
+        directory = self.config.directory
+        try:
+            fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except (AttributeError, OSError):  # no O_TMPFILE here: a unique name, unlinked at once
+            path = os.path.join(directory, f"ringddp-{self._uid}-{self.rank}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.unlink(path)
+        try:
+            os.posix_fallocate(fd, 0, self._size)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.ENOSPC, errno.EFBIG):
+                raise
+            try:
+                st = os.statvfs(directory)
+                free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB"
+            except OSError:
+                free = "free space unknown"
+            raise ShmUnavailableError(
+                f"shm: {directory} is too small: rank {self.rank} needs {self._size} bytes "
+                f"({self._size / 2**20:.1f} MiB; {free}). Fix: enlarge it (docker run --shm-size=1g, or "
+                f"mount -o remount,size=1G {directory}), point RINGDDP_SHM_DIR at a larger tmpfs, shrink "
+                "RINGDDP_SHM_REGION_BYTES / RINGDDP_SHM_SLOT_BYTES, or use backend='p2p'"
+            ) from exc
+        return fd
+
+    def _address(self, q: int) -> bytes:
+        return f"\0ringddp-shm-{self._uid}-{q}".encode()
+
+    def _connect(self, fd: int) -> dict[Peer, int]:
+        """Exchange segment fds with every peer over abstract unix sockets; keep the sockets.
+
+        Rank ``r`` connects to every lower rank and accepts every higher one; a connection only
+        waits for a lower rank, so the set-up cannot deadlock.
+        """
+        n, r = self.world_size, self.rank
+        deadline = time.monotonic() + self.timeout
+        fds = {r: fd}
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self._address(r))
+            listener.listen(n)
+            for q in range(r):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._socks[q] = s
+                while True:
+                    s.settimeout(max(0.001, deadline - time.monotonic()))
+                    try:
+                        s.connect(self._address(q))
+                        break
+                    except (ConnectionRefusedError, FileNotFoundError):
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.002)
+                socket.send_fds(s, [struct.pack("<i", r)], [fd])
+                fds[q] = self._receive_fd(s, q)
+            for _ in range(r + 1, n):
+                listener.settimeout(max(0.001, deadline - time.monotonic()))
+                s, _addr = listener.accept()
+                s.settimeout(max(0.001, deadline - time.monotonic()))
+                data, got, _flags, _addr = socket.recv_fds(s, 4, 1)
+                if len(data) != 4 or len(got) != 1:
+                    raise ConnectionError("malformed hello from a peer")
+                q = struct.unpack("<i", data)[0]
+                self._socks[q] = s
+                fds[q] = got[0]
+                socket.send_fds(s, [struct.pack("<i", r)], [fd])
+        finally:
+            listener.close()
+        return fds
+
+    @staticmethod
+    def _receive_fd(s: socket.socket, q: int) -> int:
+        data, got, _flags, _addr = socket.recv_fds(s, 4, 1)
+        if len(got) != 1 or struct.unpack("<i", data)[0] != q:
+            raise ConnectionError(f"malformed reply from rank {q}")
+        return got[0]
+
+    def _map(self, fd: int) -> mmap.mmap:
+        if os.fstat(fd).st_size != self._size:
+            raise ConnectionError(f"peer segment has {os.fstat(fd).st_size} bytes, expected {self._size}")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, self._size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    # ---- waiting ---------------------------------------------------------------------------
+
+    def _wake(self, q: Peer) -> None:
+        """Tell peer ``q`` that a counter it may wait on changed (only if it sleeps)."""
+        _fence()
+        if self._ctrl[q][_SLEEPING]:
+            try:
+                self._socks[q].send(b"\0")
+            except OSError:  # full (it has wake-ups pending) or gone (its waits find out)
+                pass
+
+    def _await(self, ready: Callable[[], bool], peers: Callable[[], Iterable[Peer]], kind: str, peer: Peer) -> None:
+        """Block until ``ready()``; ``peers()`` are the ranks whose progress it needs.
+
+        Spins for ``spin_seconds`` then sleeps on the peer sockets; raises naming ``peer`` (or
+        the dead peer among ``peers()``) at the deadline or when a needed peer has exited.
+        """
+        if ready():
+            return
+        spin_until = time.perf_counter() + self.config.spin_seconds
+        while time.perf_counter() < spin_until:
+            os.sched_yield()
+            if ready():
+                return
+        deadline = time.monotonic() + self.timeout
+        me = self._ctrl[self.rank]
+        while True:
+            me[_SLEEPING] = 1
+            _fence()
+            if ready():
+                me[_SLEEPING] = 0
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                me[_SLEEPING] = 0
+                raise CollectiveTimeoutError(
+                    f"{self.op}: {kind} rank {peer} timed out after {self.timeout:g}s "
+                    f"(this is rank {self.rank} of {self.world_size})",
+                    op=self.op,
+                    peer=peer,
+                )
+            events = self._poll.poll(min(remaining, 0.1) * 1000)
+            me[_SLEEPING] = 0
+            for fileno, _event in events:
+                self._drain(self._fd_peer[fileno])
+            if ready():
+                return
+            dead = [q for q in ([peer] + list(peers())) if q in self._dead]
+            if dead:
+                raise CollectiveError(
+                    f"{self.op}: {kind} rank {dead[0]} failed: the peer exited "
+                    f"(this is rank {self.rank} of {self.world_size})",
+                    op=self.op,
+                    peer=dead[0],
+                )
+
+    def _drain(self, q: Peer) -> None:
+        s = self._socks[q]
+        try:
+            while True:
+                data = s.recv(4096)
+                if not data:
+                    break
+                if len(data) < 4096:
+                    return
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._dead.add(q)  # EOF or reset: the peer's process is gone
+        self._poll.unregister(s.fileno())
+
+    # ---- messages --------------------------------------------------------------------------
+
+    def _slot(self, owner: Peer, sender: Peer, slot: int, nbytes: int) -> torch.Tensor:
+        index = sender if sender < owner else sender - 1
+        start = self._ctrl_bytes + (index * self.config.slots + slot) * self.config.slot_bytes
+        return self._bytes[owner][start : start + nbytes]
+
+    def _push(self, q: Peer) -> bool:
+        """Copy pending chunks to ``q`` while it has free slots; True if any moved."""
+        queue, ctrl, base = self._sends[q], self._ctrl[q], _PAIR + self.rank * _PAIR
+        slots, slot_bytes = self.config.slots, self.config.slot_bytes
+        moved = False
+        while queue:
+            head = self._head[q]
+            if head - ctrl[base + _LINE] >= slots:
+                break
+            m = queue[0]
+            size = min(slot_bytes, m.nbytes - m.offset)
+            if size:
+                self._slot(q, self.rank, head % slots, size).copy_(m.data[m.offset : m.offset + size])
+            ctrl[base + 2 * _LINE + head % slots] = m.nbytes
+            _fence()
+            ctrl[base] = self._head[q] = head + 1
+            m.offset += size
+            m.chunks -= 1
+            if not m.chunks:
+                queue.popleft()
+            moved = True
+        if moved:
+            self._wake(q)
+        return moved
+
+    def _pull(self, q: Peer) -> bool:
+        """Copy arrived chunks from ``q`` into posted receives; True if any moved."""
+        queue, ctrl, base = self._recvs[q], self._ctrl[self.rank], _PAIR + q * _PAIR
+        slots, slot_bytes = self.config.slots, self.config.slot_bytes
+        moved = False
+        while queue:
+            tail = self._tail[q]
+            if ctrl[base] == tail:
+                break
+            _fence()
+            m = queue[0]
+            sent = ctrl[base + 2 * _LINE + tail % slots]
+            if sent != m.nbytes:
+                raise CollectiveError(
+                    f"{self.op}: rank {q} sent a {sent}-byte message where this rank (rank {self.rank}) "
+                    f"expected {m.nbytes} bytes: the ranks called different collectives or sizes",
+                    op=self.op,
+                    peer=q,
+                )
+            size = min(slot_bytes, m.nbytes - m.offset)
+            if size:
+                m.data[m.offset : m.offset + size].copy_(self._slot(self.rank, q, tail % slots, size))
+            _fence()
+            ctrl[base + _LINE] = self._tail[q] = tail + 1
+            m.offset += size
+            m.chunks -= 1
+            if not m.chunks:
+                queue.popleft()
+            moved = True
+        if moved:
+            self._wake(q)
+        return moved
+
+    def progress(self) -> None:
+        """Move every chunk that can move now."""
+        for q in self._sends:
+            if self._sends[q]:
+                self._push(q)
+            if self._recvs[q]:
+                self._pull(q)
+
+    def _pending_peers(self) -> list[Peer]:
+        return [q for q in self._sends if self._sends[q] or self._recvs[q]]
+
+    def wait_message(self, m: _Message) -> None:
+        def ready() -> bool:
+            self.progress()
+            return not m.chunks
+
+        self._await(ready, self._pending_peers, "send to" if m.kind == "send" else "recv from", m.peer)
+
+    def _check_peer(self, peer: Peer) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"{self.op}: peer {peer} is not another rank of 0..{self.world_size - 1}")
+
+    def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
+        self._check_peer(peer)
+        m = _Message(tensor, peer, "send", self.config.slot_bytes)
+        self._sends[peer].append(m)
+        if len(self._sends[peer]) == 1:
+            self._push(peer)
+        return ShmRequest(self, m)
+
+    def irecv(self, tensor: torch.Tensor, peer: Peer) -> Request:
+        self._check_peer(peer)
+        m = _Message(tensor, peer, "recv", self.config.slot_bytes)
+        self._recvs[peer].append(m)
+        if len(self._recvs[peer]) == 1:
+            self._pull(peer)
+        return ShmRequest(self, m)
+
+    # ---- shared regions (see base.SharedRegions) -------------------------------------------
+
+    def shared_regions(self) -> SharedRegions:
+        return self
+
+    def view(self, rank: int, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self._halves[rank][half][: numel * dtype.itemsize].view(dtype)
+
+    def begin_piece(self) -> int:
+        g = self._pieces
+        if g >= 2:
+            for q in self._sends:
+                ctrl = self._ctrl[q]
+                self._await(lambda: ctrl[_DONE] >= g - 1, lambda: (), "waiting for", q)
+        return g % 2
+
+    def end_piece(self) -> None:
+        self._pieces += 1
+        me = self._ctrl[self.rank]
+        _fence()
+        me[_DONE] = self._pieces
+        for q in self._sends:
+            self._wake(q)
+
+    def step(self, wait_for: Iterable[Peer]) -> None:
+        self._step += 1
+        step = self._step
+        me = self._ctrl[self.rank]
+        _fence()
+        me[_SEQ] = step
+        for q in self._sends:
+            self._wake(q)
+        for q in wait_for:
+            if q != self.rank:
+                ctrl = self._ctrl[q]
+                self._await(lambda: ctrl[_SEQ] >= step, lambda: (), "waiting for", q)
+        _fence()
+
+    # ---- teardown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close()
+        self._socks.clear()
+        self._ctrl = []
+        self._bytes = []
+        self._halves = []
+        for i, m in enumerate(self._maps):
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:  # a caller still holds a view; the mapping goes with it
+                    pass
+            self._maps[i] = None
