@@ -180,8 +180,8 @@ def test_rank_killed_or_stopped_mid_collective(tmp_path, sig):
     elapsed = time.monotonic() - start
     err = out.stderr
     assert out.returncode != 0
-    found = re.findall(r"survivor (\d) failed after ([\d.]+)s: (\w+) op=(\w+) peer=(\d)", err)
-    assert sorted(f[0] for f in found) == ["0", "2"], err[-3000:]
+    found = sorted(set(re.findall(r"survivor (\d) failed after ([\d.]+)s: (\w+) op=(\w+) peer=(\d)", err)))
+    assert [f[0] for f in found] == ["0", "2"], err[-3000:]
     for rank, seconds, kind, op, peer in found:
         assert float(seconds) < 4.0 + 3.0, found  # within the 4 s timeout (plus scheduling slack)
         assert op in ("all_reduce", "broadcast"), found
