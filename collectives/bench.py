@@ -84,6 +84,11 @@ class _Case:
         self.out = torch.empty(count, dtype=dtype, device=device)
         self.piece = count // n
         self.small = torch.empty(self.piece, dtype=dtype, device=device)
+        self.copy = torch.empty_like(self.pristine)
+
+    def memcpy(self) -> None:
+        """One copy of the op's buffer on every rank at once: the machine's memory-speed yardstick."""
+        self.copy.copy_(self.pristine)
 
     def prepare(self) -> None:
         """Restore the in-place ops' input; runs before the timed region, never inside it."""
@@ -173,29 +178,51 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
     return 2, timed
 
 
+def _shm_group() -> Group:
+    """A group of every rank whose CPU collectives run over the shared-memory transport."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from .engine import AlgorithmEngine
+    from .transport.shm import ShmTransport
+
+    g = new_group(backend="p2p")
+    transport = ShmTransport(g.rank, g.size, g.timeout, tdist.PrefixStore("bench-shm", _get_default_store()))
+    g._engines["p2p:cpu"] = AlgorithmEngine(transport, g.workspace, g.tuning)
+    return g
+
+
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
-               tuning: dict[str, int], backend: str = "p2p") -> list[dict]:
-    """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`."""
+               tuning: dict[str, int], backend: str = "p2p", shm: bool = False) -> list[dict]:
+    """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`.
+
+    ``shm``: also time the op over the shared-memory transport and one memcpy of its buffer.
+    """
     torch.set_num_threads(1)
     ours = get_default_group()
     for field, value in tuning.items():
         setattr(ours.tuning, field, value)
     device, reference, sync = _setup(rank, n, backend)
     engine = ours.engine(device, "bench")
+    shm_group = _shm_group() if shm else None
+    variants = ("ours", "torch", "wire") + (("shm", "memcpy") if shm else ())
     rows = []
     for op in ops:
         for dtype_name in dtypes:
             for nbytes in sizes:
                 case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device)
                 warm, timed = _iterations(nbytes, iters)
-                times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
-                cpu: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
+                times: dict[str, list[float]] = {k: [] for k in variants}
+                cpu: dict[str, list[float]] = {k: [] for k in variants}
                 case.prepare()
                 case.run("torch", reference)
                 expected = case.result()
                 case.prepare()
                 case.run("ours", None)
                 wrong = int((case.result() != expected).sum())
+                if shm_group is not None:
+                    case.prepare()
+                    case.run("shm", shm_group)
+                    wrong += int((case.result() != expected).sum())
                 has_wire = case.wire(engine)
                 for i in range(warm + timed):
                     measured = {
@@ -203,11 +230,13 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         "torch": _timed(case.prepare, lambda: case.run("torch", reference), sync),
                         "wire": _timed(case.prepare, lambda: case.wire(engine), sync) if has_wire else (nan, nan),
                     }
+                    if shm_group is not None:
+                        measured["shm"] = _timed(case.prepare, lambda: case.run("shm", shm_group), sync)
+                        measured["memcpy"] = _timed(case.prepare, case.memcpy, sync)
                     if i >= warm:
                         for k, (wall, used) in measured.items():
                             times[k].append(wall)
                             cpu[k].append(used)
-                variants = ("ours", "torch", "wire")
                 med = torch.tensor([statistics.median(times[k]) for k in variants] + [wrong], dtype=torch.float64)
                 tdist.all_reduce(med, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
                 cpu_med = torch.tensor([statistics.median(cpu[k]) for k in variants], dtype=torch.float64)
@@ -218,15 +247,20 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
                            "wrong": int(med[3]), "backend": backend}
-                    for k, t, c in zip(variants, med[:3].tolist(), cpu_med.tolist()):
+                    for k, t, c in zip(variants, med[:-1].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_cpu_ms"] = c * 1e3
                         row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else nan
                         row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
                     row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
+                    if shm_group is not None:
+                        row["shm_vs_torch"] = row["shm_busbw"] / row["torch_busbw"]
+                        row["shm_vs_memcpy"] = row["shm_us"] / row["memcpy_us"]  # time: copies' worth
                     rows.append(row)
                     log.info("%s", format_row(row))
+    if shm_group is not None:
+        shm_group.close()
     if backend != "p2p":
         reference.close()  # built here, not registered with destroy_process_group
     return rows
@@ -237,6 +271,7 @@ HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':
 
 
 CPU_HEADER = f" |{'cpu ms: ours':>14}{'torch':>7}{'wire':>7}"
+SHM_HEADER = f" |{'shm us':>10}{'busbw':>7}{'vs torch':>9} |{'memcpy us':>10}{'shm/cpy':>8}"
 
 
 def format_row(r: dict, cpu: bool = False) -> str:
@@ -249,7 +284,9 @@ def format_row(r: dict, cpu: bool = False) -> str:
             f"{num(r['torch_us'], 10, 1)}{num(r['torch_busbw'], 7, 2)} |"
             f"{num(r['wire_us'], 10, 1)}{num(r['wire_busbw'], 7, 2)} |"
             f"{num(r['vs_torch'], 9, 2, 'x')}{num(r['vs_wire'], 8, 2, 'x')}"
-            + (f" |{num(r['ours_cpu_ms'], 14, 1)}{num(r['torch_cpu_ms'], 7, 1)}{num(r['wire_cpu_ms'], 7, 1)}" if cpu else ""))
+            + (f" |{num(r['ours_cpu_ms'], 14, 1)}{num(r['torch_cpu_ms'], 7, 1)}{num(r['wire_cpu_ms'], 7, 1)}" if cpu else "")
+            + (f" |{num(r['shm_us'], 10, 1)}{num(r['shm_busbw'], 7, 2)}{num(r['shm_vs_torch'], 9, 2, 'x')} |"
+               f"{num(r['memcpy_us'], 10, 1)}{num(r['shm_vs_memcpy'], 8, 2, 'x')}" if "shm_us" in r else ""))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -263,8 +300,8 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, (op, n, dtype) in zip(axes[:, 0], keys):
         sel = [r for r in rows if (r["op"], r["world_size"], r["dtype"]) == (op, n, dtype)]
         x = [r["bytes"] for r in sel]
-        for backend, style in (("ours", "o-"), ("torch", "s--"), ("wire", "^:")):
-            y = [r[f"{backend}_busbw"] for r in sel]
+        for backend, style in (("ours", "o-"), ("torch", "s--"), ("wire", "^:"), ("shm", "D-")):
+            y = [r.get(f"{backend}_busbw", nan) for r in sel]
             if any(v == v for v in y):
                 ax.plot(x, y, style, label=backend)
         ax.set_xscale("log", base=2)
@@ -299,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
     p.add_argument("--cpu", action="store_true",
                    help="also print CPU ms per call (user + system, all threads, mean over ranks)")
+    p.add_argument("--shm", action="store_true",
+                   help="CPU: also time the op over the shared-memory transport (shm columns) and one "
+                        "memcpy of the op's buffer (memcpy us; shm/cpy = shm time / memcpy time)")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -317,10 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),
                                  ("chain_bytes", args.chain_bytes), ("depth", args.depth)) if v is not None}
     rows: list[dict] = []
-    print(HEADER + (CPU_HEADER if args.cpu else ""))
+    if args.shm and args.backend != "p2p":
+        p.error("--shm compares CPU backends: use it with --backend p2p")
+    print(HEADER + (CPU_HEADER if args.cpu else "") + (SHM_HEADER if args.shm else ""))
     for n in (int(x) for x in args.world_sizes.split(",")):
         result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend,
-                        backend=args.backend, log_level=logging.WARNING)[0]
+                        args.shm, backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
             print(format_row(r, args.cpu))
         sys.stdout.flush()

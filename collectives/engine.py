@@ -126,7 +126,7 @@ class AlgorithmEngine:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, out.numel()
         if self.regions is not None:
-            shm_algorithms.reduce_scatter(self.regions, out, inp, op)
+            shm_algorithms.reduce_scatter(self.regions, out, [inp[i * m : (i + 1) * m] for i in range(n)], op)
             return
         work = self.workspace.get("reduce-scatter", inp.numel(), inp.dtype, inp.device)
         work.copy_(inp)

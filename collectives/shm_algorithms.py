@@ -44,6 +44,8 @@ All functions take contiguous 1-D tensors; every rank calls with the same sizes.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from .ops import ReduceOp, combine, finish
@@ -103,23 +105,20 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
         regions.end_piece()
 
 
-def reduce_scatter(regions: SharedRegions, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
-    """Rank ``r`` gets chunk ``r`` (``out.numel()`` elements) of ``inp`` reduced over all ranks."""
+def reduce_scatter(regions: SharedRegions, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
+    """Rank ``r`` gets ``ins[r]`` reduced over all ranks; ``ins`` are ``n`` chunks of ``out``'s size."""
     n, r, m = regions.world_size, regions.rank, out.numel()
     if m == 0:
         return
-    for lo, hi in _pieces(m, regions.piece_bytes // inp.element_size() // n):
+    for lo, hi in _pieces(m, regions.piece_bytes // out.element_size() // n):
         k = hi - lo
         h = regions.begin_piece()
-        mine = regions.view(r, h, inp.dtype, n * k)
+        mine = regions.view(r, h, out.dtype, n * k)
         for c in range(n):
             if c != r:
-                mine[c * k : (c + 1) * k].copy_(inp[c * m + lo : c * m + hi])
+                mine[c * k : (c + 1) * k].copy_(ins[c][lo:hi])
         regions.step(range(n))
-        operands = [
-            inp[r * m + lo : r * m + hi] if q == r else regions.view(q, h, inp.dtype, n * k)[r * k : (r + 1) * k]
-            for q in range(n)
-        ]
+        operands = [ins[r][lo:hi] if q == r else regions.view(q, h, out.dtype, n * k)[r * k : (r + 1) * k] for q in range(n)]
         _reduce_into(op, out[lo:hi], operands)
         regions.end_piece()
     finish(op, out, n)

@@ -83,6 +83,14 @@ def _fence() -> None:
     _FENCE.release()
 
 
+def _machine() -> str:
+    """This kernel's boot id and network namespace: ranks with equal values can pass fds over
+    abstract unix sockets (and so share segments)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return f"{boot} {os.stat('/proc/self/ns/net').st_ino}"
+
+
 class ShmUnavailableError(RuntimeError):
     """Shared memory cannot be set up (file system too small, peers on another host, ...)."""
 
@@ -211,9 +219,12 @@ class ShmTransport(Transport, SharedRegions):
             fd = self._create_segment()
         except (OSError, ShmUnavailableError) as exc:
             failure = str(exc)
-        store.set(f"{key}/ok/{rank}", failure)
-        failures = [(q, store.get(f"{key}/ok/{q}").decode()) for q in range(n)]
-        failures = [(q, text) for q, text in failures if text]
+        store.set(f"{key}/ok/{rank}", f"fail {failure}" if failure else f"ok {_machine()}")
+        reports = [store.get(f"{key}/ok/{q}").decode() for q in range(n)]
+        failures = [(q, text[5:]) for q, text in enumerate(reports) if text.startswith("fail ")]
+        if not failures and len(set(reports)) > 1:  # checked, not assumed: one kernel, one network
+            failures = [(rank, f"shm: the ranks are not all on one host in one network namespace: {reports}; "
+                               "use backend='p2p'")]
         if failures:
             if fd >= 0:
                 os.close(fd)
