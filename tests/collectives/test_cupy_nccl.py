@@ -656,7 +656,6 @@ def test_close_aborts_when_pending_work_never_finishes():
 import ctypes
 import threading
 
-from collectives.buffers import Workspace
 from collectives.engine import AlgorithmEngine, Tuning
 from collectives.ops import ReduceOp
 
@@ -796,7 +795,7 @@ def run_on_simulated_nccl(world_size: int, job, timeout: float, depth: int = 4):
     def body(rank):
         transport = world.transport(rank, timeout)
         # 64-byte segments: several per chunk, to exercise the pipelining and slot reuse
-        engine = AlgorithmEngine(transport, Workspace(), Tuning(segment_bytes=64, depth=depth))
+        engine = AlgorithmEngine(transport, Tuning(segment_bytes=64, depth=depth), torch.device("cpu"))
         try:
             with transport.operation("sim"):
                 results[rank] = job(engine, rank)
@@ -843,7 +842,7 @@ def _sim_all_gather():
     def job(engine, rank):
         n = engine.transport.world_size
         out = torch.zeros(50 * n)
-        engine.all_gather(out, _sim_input(rank))
+        engine.all_gather(list(out.split(50)), _sim_input(rank))
         return out
     return job, lambda n, r: torch.cat([_sim_input(i) for i in range(n)])
 
@@ -852,7 +851,7 @@ def _sim_reduce_scatter():
     def job(engine, rank):
         n = engine.transport.world_size
         out = torch.zeros(20)
-        engine.reduce_scatter(out, _sim_input(rank, 20 * n), ReduceOp.SUM)
+        engine.reduce_scatter(out, list(_sim_input(rank, 20 * n).split(20)), ReduceOp.SUM)
         return out
     return job, lambda n, r: sum(_sim_input(i, 20 * n) for i in range(n))[20 * r : 20 * (r + 1)]
 
