@@ -38,6 +38,8 @@ import torch
 import torch.distributed as tdist
 
 from . import api, ring
+from .backends import backend_argument, describe_backends, device_type_of
+from .engine import AlgorithmEngine, Engine
 from .group import Group, get_default_group, new_group
 from .launch import launch
 
@@ -123,9 +125,9 @@ class _Case:
             return torch.empty(0)
         return self.out.clone()
 
-    def wire(self, engine: Any) -> bool:
-        """The ring exchanges of this op without reduction; False if the op has no wire row."""
-        if self.op not in ("all_reduce", "reduce_scatter"):
+    def wire(self, engine: Engine) -> bool:
+        """The ring exchanges of this op without reduction; False if the op (or the engine) has no wire row."""
+        if self.op not in ("all_reduce", "reduce_scatter") or not isinstance(engine, AlgorithmEngine):
             return False
         bounds = ring.balanced_bounds(self.count, self.n)
         seg = max(1, engine.tuning.segment_bytes // self.work.element_size())
@@ -159,16 +161,18 @@ def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[],
 def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Group, Callable[[], Any]]:
     """The device, the reference group (torch's collectives) and a device sync for ``backend``.
 
-    ``p2p``: CPU tensors, torch's collectives on the same gloo group. ``nccl-cupy``: rank ``r``
-    on ``cuda:r % device_count``, torch's collectives on a new torch NCCL group.
+    A CPU backend (``p2p``, ...): CPU tensors, torch's collectives on the same gloo group. A CUDA
+    one (``nccl-cupy``): rank ``r`` on ``cuda:r % device_count``, torch's collectives on a new
+    torch NCCL group.
     """
-    if backend == "p2p":
+    if device_type_of(backend) == "cpu":
         return torch.device("cpu"), new_group(backend="torch"), lambda: None
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     world = get_default_group()
     nccl = tdist.new_group(backend="nccl")
-    return device, Group(nccl, world.ranks, "torch", world.timeout, "torch-nccl"), torch.cuda.synchronize
+    reference = Group(nccl, world.ranks, "torch", world.timeout, "torch-nccl", store=world.store, hosts=world.hosts)
+    return device, reference, torch.cuda.synchronize
 
 
 def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
@@ -176,19 +180,6 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
         return max(1, iters // 5), iters
     timed = int(min(40, max(10, (512 << 20) // max(nbytes, 1))))
     return 2, timed
-
-
-def _shm_group() -> Group:
-    """A group of every rank whose CPU collectives run over the shared-memory transport."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    from .engine import AlgorithmEngine
-    from .transport.shm import ShmTransport
-
-    g = new_group(backend="p2p")
-    transport = ShmTransport(g.rank, g.size, g.timeout, tdist.PrefixStore("bench-shm", _get_default_store()))
-    g._engines["p2p:cpu"] = AlgorithmEngine(transport, g.workspace, g.tuning)
-    return g
 
 
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
@@ -203,7 +194,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
         setattr(ours.tuning, field, value)
     device, reference, sync = _setup(rank, n, backend)
     engine = ours.engine(device, "bench")
-    shm_group = _shm_group() if shm else None
+    shm_group = new_group(backend="shm") if shm else None
     variants = ("ours", "torch", "wire") + (("shm", "memcpy") if shm else ())
     rows = []
     for op in ops:
@@ -259,9 +250,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         row["shm_vs_memcpy"] = row["shm_us"] / row["memcpy_us"]  # time: copies' worth
                     rows.append(row)
                     log.info("%s", format_row(row))
-    if shm_group is not None:
-        shm_group.close()
-    if backend != "p2p":
+    if device.type != "cpu":
         reference.close()  # built here, not registered with destroy_process_group
     return rows
 
@@ -316,10 +305,10 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m collectives.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="p2p", choices=("p2p", "nccl-cupy"),
-                   help="p2p: CPU tensors, ours over gloo send/recv vs torch's gloo collectives; "
-                        "nccl-cupy: CUDA tensors (rank r on cuda:r %% device count), ours over CuPy NCCL "
-                        "send/recv vs torch's NCCL collectives")
+    p.add_argument("--backend", default="p2p", type=backend_argument,
+                   help="ours on this backend vs torch's collectives: CPU backends (p2p, or package.module:name "
+                        "for your own) against gloo; CUDA ones (nccl-cupy; rank r on cuda:r %% device count) "
+                        "against torch's NCCL. " + describe_backends().replace("%", "%%"))
     p.add_argument("--ops", default="all_reduce", help=f"comma list or 'all' ({','.join(OPS)})")
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--dtypes", default="float32", help=f"comma list of {','.join(DTYPES)}")
@@ -347,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in ops if o not in OPS] + [d for d in args.dtypes.split(",") if d not in DTYPES]
     if bad:
         p.error(f"unknown op/dtype: {bad}")
-    if args.backend == "nccl-cupy" and not torch.cuda.is_available():
-        p.error("--backend nccl-cupy needs CUDA: a CUDA build of torch, a visible GPU and CuPy "
-                "(pip install 'ringddp[cuda]'); this torch sees no GPU")
+    if device_type_of(args.backend) == "cuda" and not torch.cuda.is_available():
+        p.error(f"--backend {args.backend} needs CUDA: a CUDA build of torch, a visible GPU (and for nccl-cupy "
+                "CuPy: pip install 'ringddp[cuda]'); this torch sees no GPU")
     sizes, s = [], _parse_size(args.min_bytes)
     while s <= _parse_size(args.max_bytes):
         sizes.append(s)

@@ -124,17 +124,17 @@ def reduce_scatter(regions: SharedRegions, out: torch.Tensor, ins: Sequence[torc
     finish(op, out, n)
 
 
-def all_gather(regions: SharedRegions, out: torch.Tensor, inp: torch.Tensor) -> None:
-    """``out`` (``n`` times ``inp``'s size) gets every rank's ``inp``, in rank order."""
+def all_gather(regions: SharedRegions, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
+    """``outs[q]`` (each of ``inp``'s size) gets rank ``q``'s ``inp``."""
     n, r, m = regions.world_size, regions.rank, inp.numel()
-    out[r * m : (r + 1) * m].copy_(inp)
-    for lo, hi in _pieces(m, regions.piece_bytes // max(1, inp.element_size())):
+    outs[r].copy_(inp)
+    for lo, hi in _pieces(m, regions.piece_bytes // inp.element_size()):
         h = regions.begin_piece()
         regions.view(r, h, inp.dtype, hi - lo).copy_(inp[lo:hi])
         regions.step(range(n))
         for q in range(n):
             if q != r:
-                out[q * m + lo : q * m + hi].copy_(regions.view(q, h, inp.dtype, hi - lo))
+                outs[q][lo:hi].copy_(regions.view(q, h, inp.dtype, hi - lo))
         regions.end_piece()
 
 

@@ -57,14 +57,19 @@ import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
 from ..errors import CollectiveError, CollectiveTimeoutError
 from .base import Peer, Request, SharedRegions, Transport
+from .torch_p2p import TorchP2PTransport
+
+if TYPE_CHECKING:
+    from ..group import Group
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,6 @@ _PAIR = 3 * _LINE  # per sender: head line, tail line, slot-size line
 _MAX_SLOTS = _LINE
 _PAGE = 4096
 _FENCE = threading.Lock()
-_instances = 0
 
 
 def _fence() -> None:
@@ -197,9 +201,8 @@ class ShmTransport(Transport, SharedRegions):
 
     def __init__(self, rank: int, world_size: int, timeout: float, store, config: ShmConfig | None = None):
         Transport.__init__(self, rank, world_size, timeout)
-        global _instances
-        _instances += 1
-        key = f"shm/{_instances}"
+        # the n-th transport this rank builds on this store meets the n-th of every other rank
+        key = f"shm/{store.add(f'shm/built/{rank}', 1)}"
         local = config or ShmConfig.from_env()
         if rank == 0:
             local.validate()
@@ -265,6 +268,31 @@ class ShmTransport(Transport, SharedRegions):
             self._poll.register(s.fileno(), select.POLLIN)
             self._fd_peer[s.fileno()] = q
         log.debug("shm transport %s: rank %d/%d, %d bytes per rank", uid, rank, n, self._size)
+
+    @classmethod
+    def for_group(cls, group: "Group", device: torch.device) -> Transport:
+        """The ``shm`` backend's factory: the transport of ``group``.
+
+        If the backend was picked by ``auto`` and shared memory cannot be set up (on every rank
+        alike: the failure is agreed through the store), logs why and returns the ``p2p``
+        transport instead; a group that asked for ``shm`` by name gets the error.
+        """
+        try:
+            return cls(group.rank(), group.size(), group.timeout, group.store)
+        except ShmUnavailableError as exc:
+            if group.backend == "shm":
+                raise
+            log.warning("%s; falling back to the p2p backend", exc)
+            return TorchP2PTransport.for_group(group, device)
+
+    @staticmethod
+    def usable(group: "Group") -> bool:
+        """Whether ``auto`` may pick shm for ``group``: every rank on this host (by host key).
+
+        The constructor checks the rest (one kernel and network namespace, space for the
+        segments) and falls back to p2p, on every rank alike, if that fails.
+        """
+        return sys.platform.startswith("linux") and len(set(group.hosts)) == 1
 
     # ---- set-up ----------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The shared-memory transport: every collective against torch's, faults, segments, limits.
 
-The ranks' default group runs over ``shm`` (installed by :func:`use_shm` in each rank), so the
-property cases exercise both the transport's messages (algorithms written against send/recv) and
+The ranks' default group runs over ``shm`` (``WorkerPool(n, backend="shm")``), so the property
+cases exercise both the transport's messages (algorithms written against send/recv) and
 the shared-region algorithms (``auto`` all-reduce, broadcast, all-gather, reduce-scatter).
 """
 
@@ -16,30 +16,17 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 
 import collectives
-from collectives.engine import AlgorithmEngine
-from collectives.group import get_default_group
 from collectives.testing import WorkerPool, assert_matches_reference, cases
-from collectives.transport.shm import ShmConfig, ShmTransport, ShmUnavailableError
+from collectives.transport.shm import ShmConfig, ShmUnavailableError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shared memory and /proc")
 
 
-def use_shm(rank: int, world_size: int, config: ShmConfig | None = None) -> str:
-    """Rank-side job: run the default group's CPU collectives over a new shm transport."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    g = get_default_group()
-    store = dist.PrefixStore("test-shm", _get_default_store())
-    transport = ShmTransport(g.rank, g.size, g.timeout, store, config)
-    old = g._engines.get("p2p:cpu")
-    g._engines["p2p:cpu"] = AlgorithmEngine(transport, g.workspace, g.tuning)
-    if old is not None:
-        old.close()
-    return type(g.engine(torch.device("cpu"), "test").transport).__name__
+def transport_name(rank: int, world_size: int) -> str:
+    return transport_name_of(collectives.get_group())
 
 
 def _shm_files() -> set[str]:
@@ -50,11 +37,18 @@ def _shm_files() -> set[str]:
 def shm_pools():
     pools: dict[tuple, WorkerPool] = {}
 
-    def get(world_size: int, config: ShmConfig | None = None) -> WorkerPool:
-        key = (world_size, config)
+    def get(world_size: int, **env: int) -> WorkerPool:
+        """A pool over shm whose ranks see ``RINGDDP_SHM_<NAME>=value`` for each ``name=value``."""
+        key = (world_size, tuple(sorted(env.items())))
         if key not in pools:
-            pool = WorkerPool(world_size, timeout=20.0, job_timeout=120.0)
-            assert pool.run(use_shm, config) == ["ShmTransport"] * world_size
+            pool = WorkerPool(world_size, backend="shm", timeout=20.0, job_timeout=120.0)
+            saved = dict(os.environ)
+            os.environ.update({f"RINGDDP_SHM_{k.upper()}": str(v) for k, v in env.items()})
+            try:  # the ranks start (and read the environment) on the first job
+                assert pool.run(transport_name) == ["ShmTransport"] * world_size
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
             pools[key] = pool
         return pools[key]
 
@@ -83,7 +77,7 @@ def test_every_collective_matches_torch_over_shm(shm_pools, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_region_and_fifo_smaller_than_the_tensors(shm_pools, world_size):
     """Pieces of 1 KiB and 128-byte slots: every large-ish case streams through many of them."""
-    pool = shm_pools(world_size, ShmConfig(slot_bytes=128, slots=2, region_bytes=2048))
+    pool = shm_pools(world_size, slot_bytes=128, slots=2, region_bytes=2048)
 
     @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case=cases(world_size))
@@ -117,7 +111,7 @@ def big_collectives(rank: int, world_size: int) -> list[bool]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensors_larger_than_region_and_fifo(shm_pools, world_size):
-    pool = shm_pools(world_size, ShmConfig(slot_bytes=64 << 10, slots=2, region_bytes=1 << 20))
+    pool = shm_pools(world_size, slot_bytes=64 << 10, slots=2, region_bytes=1 << 20)
     for rank, result in enumerate(pool.run(big_collectives)):
         assert all(result), (rank, result)
 
@@ -126,12 +120,9 @@ FAULT_SCRIPT = """
 import os, signal, sys, threading, time
 import torch
 import collectives
-sys.path.insert(0, {tests!r})
-from test_shm import use_shm
 
 def job(rank, world_size, piddir, sig):
     open(os.path.join(piddir, str(os.getpid())), "w").close()
-    use_shm(rank, world_size)
     t = torch.ones(1 << 22)
     collectives.all_reduce(t)
     if rank == 1:
@@ -143,12 +134,12 @@ def job(rank, world_size, piddir, sig):
             collectives.broadcast(t, src=0)
             collectives.all_reduce(t[:100], algorithm="ring")
     except collectives.CollectiveError as exc:
-        raise RuntimeError(f"survivor {{rank}} failed after {{time.monotonic() - start:.1f}}s: "
-                           f"{{type(exc).__name__}} op={{exc.op}} peer={{exc.peer}}: {{exc}}")
+        raise RuntimeError(f"survivor {rank} failed after {time.monotonic() - start:.1f}s: "
+                           f"{type(exc).__name__} op={exc.op} peer={exc.peer}: {exc}")
     return "finished"
 
 if __name__ == "__main__":
-    collectives.launch(job, 3, sys.argv[1], sys.argv[2], timeout=4.0, join_timeout=60)
+    collectives.launch(job, 3, sys.argv[1], sys.argv[2], backend="shm", timeout=4.0, join_timeout=60)
 """
 
 
@@ -176,7 +167,7 @@ def test_rank_killed_or_stopped_mid_collective(tmp_path, sig):
     piddir = tmp_path / "pids"
     piddir.mkdir()
     start = time.monotonic()
-    out = _run_script(tmp_path, FAULT_SCRIPT.format(tests=os.path.dirname(__file__)), str(piddir), sig)
+    out = _run_script(tmp_path, FAULT_SCRIPT, str(piddir), sig)
     elapsed = time.monotonic() - start
     err = out.stderr
     assert out.returncode != 0
@@ -203,11 +194,8 @@ TWO_JOBS_SCRIPT = """
 import sys
 import torch
 import collectives
-sys.path.insert(0, {tests!r})
-from test_shm import use_shm
 
 def job(rank, world_size, salt):
-    use_shm(rank, world_size)
     ok = True
     for i in range(30):
         x = torch.full((300_000,), float(rank + salt + i))
@@ -216,7 +204,7 @@ def job(rank, world_size, salt):
     return ok
 
 if __name__ == "__main__":
-    print(collectives.launch(job, 2, int(sys.argv[1]), timeout=20.0, join_timeout=90))
+    print(collectives.launch(job, 2, int(sys.argv[1]), backend="shm", timeout=20.0, join_timeout=90))
 """
 
 
@@ -224,7 +212,7 @@ if __name__ == "__main__":
 def test_two_jobs_at_once(tmp_path):
     before = _shm_files()
     script = tmp_path / "two.py"
-    script.write_text(TWO_JOBS_SCRIPT.format(tests=os.path.dirname(__file__)))
+    script.write_text(TWO_JOBS_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen([sys.executable, str(script), str(salt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -238,33 +226,53 @@ def test_two_jobs_at_once(tmp_path):
     assert _shm_files() <= before
 
 
-def too_small(rank: int, world_size: int, directory: str) -> str:
+def too_small(rank: int, world_size: int) -> tuple[str, str]:
+    """Explicit shm: the error. Then a group under ``auto``: a logged fallback to p2p that works."""
     try:
-        use_shm(rank, world_size, ShmConfig(directory=directory))
+        collectives.all_reduce(torch.ones(10))
+        error = "no error"
     except ShmUnavailableError as exc:
-        x = torch.ones(10)
-        collectives.all_reduce(x)  # the group still works over p2p
-        return str(exc) if x[0] == world_size else "wrong"
-    return "no error"
+        error = str(exc)
+    g = collectives.new_group(backend="auto")
+    x = torch.ones(10)
+    collectives.all_reduce(x, group=g)
+    assert x[0] == world_size
+    return error, transport_name_of(g)
+
+
+def transport_name_of(group) -> str:
+    return type(group.engine(torch.device("cpu"), "test").transport).__name__
 
 
 @pytest.mark.timeout(180)
-def test_shm_directory_too_small():
+def test_shm_directory_too_small(monkeypatch):
     """A 1 MiB tmpfs cannot hold a 10 MiB segment: a clear error on every rank, never SIGBUS."""
     mountpoint = tempfile.mkdtemp(prefix="ringddp-tiny-shm-")
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mountpoint], capture_output=True)
     if mounted.returncode != 0:
         os.rmdir(mountpoint)
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    monkeypatch.setenv("RINGDDP_SHM_DIR", mountpoint)
     try:
-        results = collectives.launch(too_small, 2, mountpoint, timeout=20.0, join_timeout=90)
+        results = collectives.launch(too_small, 2, backend="shm", timeout=20.0, join_timeout=90)
         needed = ShmConfig().segment_bytes(2)
-        for text in results:
-            assert f"needs {needed} bytes" in text and "--shm-size" in text and "p2p" in text, text
+        for error, fallback in results:
+            assert f"needs {needed} bytes" in error and "--shm-size" in error and "p2p" in error, error
+            assert fallback == "TorchP2PTransport"
         assert os.listdir(mountpoint) == []
     finally:
         subprocess.run(["umount", mountpoint], check=True)
         os.rmdir(mountpoint)
+
+
+def auto_choice(rank: int, world_size: int) -> str:
+    return transport_name_of(collectives.get_group())
+
+
+@pytest.mark.timeout(120)
+def test_auto_picks_shm_on_one_host(monkeypatch):
+    monkeypatch.delenv("RINGDDP_BACKEND", raising=False)
+    assert collectives.launch(auto_choice, 2, timeout=20.0, join_timeout=90) == ["ShmTransport"] * 2
 
 
 def test_config_is_checked():
