@@ -267,10 +267,10 @@ register_backend(
     description="our algorithms over NCCL send/recv through CuPy (pip install 'ringddp[cuda]'), CUDA tensors",
 )
 register_backend(
-    "shm", "cpu", make_transport=ShmTransport.for_group, auto_priority=1, usable=ShmTransport.usable,
-    description="our algorithms over shared memory, every rank on one host (falls back to p2p under auto)",
-)
-register_backend(
     "torch", ("cpu", "cuda"), make_engine=lambda g, device: TorchEngine(g.process_group, g.timeout),
     aliases=("reference",), description="torch.distributed's own collectives: the reference for tests and benchmarks",
+)
+register_backend(
+    "shm", "cpu", make_transport=ShmTransport.for_group, auto_priority=1, usable=ShmTransport.usable,
+    description="our algorithms over shared memory, every rank on one host (falls back to p2p under auto)",
 )

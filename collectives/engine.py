@@ -28,7 +28,7 @@ import torch.distributed as dist
 from . import direct, ring, shm_algorithms, tree
 from .buffers import Workspace
 from .ops import ReduceOp, finish
-from .transport.base import Transport
+from .transport.base import SharedRegions, Transport
 
 #: the ``algorithm=`` choices of all_reduce, broadcast and reduce.
 ALL_REDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling")
@@ -145,11 +145,13 @@ class AlgorithmEngine:
         self.tuning = tuning
         self.device = torch.device(device)
         self.workspace = Workspace()
-        regions = transport.shared_regions()
-        self.regions = regions if transport.world_size > 1 else None
 
     def transport_op(self, name: str) -> ContextManager[None]:
         return self.transport.operation(name)
+
+    def _regions(self) -> SharedRegions | None:
+        """The transport's shared regions (``shm``), if it has them and there are peers."""
+        return self.transport.shared_regions() if self.transport.world_size > 1 else None
 
     def _segment_elems(self, buf: torch.Tensor) -> int:
         return max(1, self.tuning.segment_bytes // buf.element_size())
@@ -159,8 +161,8 @@ class AlgorithmEngine:
         return buf.numel() * buf.element_size() <= (self.tuning.small_bytes if limit is None else limit)
 
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
-        if algorithm == "auto" and self.regions is not None:
-            shm_algorithms.all_reduce(self.regions, buf, op)
+        if algorithm == "auto" and (regions := self._regions()) is not None:
+            shm_algorithms.all_reduce(regions, buf, op)
             return
         if algorithm == "auto":
             algorithm = "recursive_doubling" if self._is_small(buf) else "ring"
@@ -170,8 +172,8 @@ class AlgorithmEngine:
             tree.recursive_doubling_all_reduce(self.transport, buf, op, self.workspace)
 
     def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
-        if algorithm == "auto" and self.regions is not None:
-            shm_algorithms.broadcast(self.regions, buf, src)
+        if algorithm == "auto" and (regions := self._regions()) is not None:
+            shm_algorithms.broadcast(regions, buf, src)
             return
         if algorithm == "auto":
             algorithm = "binomial" if self._is_small(buf, self.tuning.chain_bytes) else "chain"
@@ -198,8 +200,8 @@ class AlgorithmEngine:
 
     def all_gather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, inp.numel()
-        if self.regions is not None:
-            shm_algorithms.all_gather(self.regions, outs, inp)
+        if (regions := self._regions()) is not None:
+            shm_algorithms.all_gather(regions, outs, inp)
             return
         out = as_one_buffer(outs)
         if out is None:  # separate output tensors: gather into staging, then copy out
@@ -219,8 +221,8 @@ class AlgorithmEngine:
 
     def reduce_scatter(self, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, out.numel()
-        if self.regions is not None:
-            shm_algorithms.reduce_scatter(self.regions, out, ins, op)
+        if (regions := self._regions()) is not None:
+            shm_algorithms.reduce_scatter(regions, out, ins, op)
             return
         work = self.workspace.get("reduce-scatter", n * m, out.dtype, out.device)
         source = as_one_buffer(ins)

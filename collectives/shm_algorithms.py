@@ -44,6 +44,7 @@ All functions take contiguous 1-D tensors; every rank calls with the same sizes.
 
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import torch
@@ -61,6 +62,11 @@ def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
     return [(lo, min(numel, lo + per_piece)) for lo in range(0, numel, per_piece)]
 
 
+def _signature(name: str, numel: int, dtype: torch.dtype, *extra: object) -> int:
+    """An int naming a call, equal on ranks that made the same call (``hash`` varies per process)."""
+    return zlib.crc32(f"{name}:{numel}:{dtype}:{extra}".encode())
+
+
 def _reduce_into(op: ReduceOp, out: torch.Tensor, operands: list[torch.Tensor]) -> None:
     """``out = ((operands[0] op operands[1]) op operands[2]) ...``: one fixed order."""
     combine(op, operands[0], operands[1], out=out)
@@ -75,8 +81,9 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
         finish(op, buf, n)
         return
     everyone = range(n)
+    signature = _signature("all_reduce", buf.numel(), buf.dtype, op)
     if buf.numel() * buf.element_size() <= min(ONE_SHOT_BYTES, regions.piece_bytes):
-        h = regions.begin_piece()
+        h = regions.begin_piece(signature)
         regions.view(r, h, buf.dtype, buf.numel()).copy_(buf)
         regions.step(everyone)
         _reduce_into(op, buf, [regions.view(q, h, buf.dtype, buf.numel()) for q in everyone])
@@ -86,7 +93,7 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
         piece = buf[lo:hi]
         bounds = balanced_bounds(hi - lo, n)
-        h = regions.begin_piece()
+        h = regions.begin_piece(signature)
         mine = regions.view(r, h, buf.dtype, hi - lo)
         a, b = bounds[r], bounds[r + 1]
         mine[:a].copy_(piece[:a])
@@ -110,9 +117,10 @@ def reduce_scatter(regions: SharedRegions, out: torch.Tensor, ins: Sequence[torc
     n, r, m = regions.world_size, regions.rank, out.numel()
     if m == 0:
         return
+    signature = _signature("reduce_scatter", m, out.dtype, op)
     for lo, hi in _pieces(m, regions.piece_bytes // out.element_size() // n):
         k = hi - lo
-        h = regions.begin_piece()
+        h = regions.begin_piece(signature)
         mine = regions.view(r, h, out.dtype, n * k)
         for c in range(n):
             if c != r:
@@ -128,8 +136,9 @@ def all_gather(regions: SharedRegions, outs: Sequence[torch.Tensor], inp: torch.
     """``outs[q]`` (each of ``inp``'s size) gets rank ``q``'s ``inp``."""
     n, r, m = regions.world_size, regions.rank, inp.numel()
     outs[r].copy_(inp)
+    signature = _signature("all_gather", m, inp.dtype)
     for lo, hi in _pieces(m, regions.piece_bytes // inp.element_size()):
-        h = regions.begin_piece()
+        h = regions.begin_piece(signature)
         regions.view(r, h, inp.dtype, hi - lo).copy_(inp[lo:hi])
         regions.step(range(n))
         for q in range(n):
@@ -141,8 +150,9 @@ def all_gather(regions: SharedRegions, outs: Sequence[torch.Tensor], inp: torch.
 def broadcast(regions: SharedRegions, buf: torch.Tensor, src: int) -> None:
     """Copy ``buf`` of rank ``src`` into ``buf`` on every rank."""
     r = regions.rank
+    signature = _signature("broadcast", buf.numel(), buf.dtype, src)
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
-        h = regions.begin_piece()
+        h = regions.begin_piece(signature)
         if r == src:
             regions.view(r, h, buf.dtype, hi - lo).copy_(buf[lo:hi])
         regions.step([src])

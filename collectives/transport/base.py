@@ -115,10 +115,13 @@ class SharedRegions(abc.ABC):
     every rank alike) uses half ``g % 2``, so a rank may fill the next piece while slower peers
     still read the previous one. Every rank runs the same sequence of calls:
 
-    * ``h = begin_piece()`` waits until every peer has finished piece ``g - 2`` (the last user
-      of half ``h``); then the rank may write its own half ``h``.
+    * ``h = begin_piece(signature)`` waits until every peer has finished piece ``g - 2`` (the
+      last user of half ``h``); then the rank may write its own half ``h``. ``signature`` (an
+      int naming the collective, size and dtype) is published with the piece.
     * ``step(wait_for)`` publishes "I have reached the next step" and waits until each rank in
-      ``wait_for`` has reached it too: writes before it are visible to those ranks after it.
+      ``wait_for`` has reached it too: writes before it are visible to those ranks after it. A
+      rank in ``wait_for`` whose piece has another signature raises ``CollectiveError`` (ranks
+      that called different collectives or sizes never produce a silent wrong answer).
     * ``view(q, h, dtype, numel)`` is rank ``q``'s half ``h`` as a tensor; read a peer's only
       between a ``step`` that waited for it and ``end_piece``.
     * ``end_piece()`` publishes that this rank no longer reads anybody's half ``h``.
@@ -133,8 +136,8 @@ class SharedRegions(abc.ABC):
     piece_bytes: int
 
     @abc.abstractmethod
-    def begin_piece(self) -> int:
-        """Start the next piece; returns the half (0 or 1) it uses."""
+    def begin_piece(self, signature: int) -> int:
+        """Start the next piece of the collective ``signature``; returns the half (0 or 1) it uses."""
 
     @abc.abstractmethod
     def view(self, rank: int, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import errno
 import logging
 import mmap
@@ -63,6 +64,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from ..errors import CollectiveError, CollectiveTimeoutError
 from .base import Peer, Request, SharedRegions, Transport
@@ -75,6 +77,7 @@ log = logging.getLogger(__name__)
 
 _LINE = 8  # int64 counters per 64-byte cache line
 _SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, asleep flag
+_TAG = _SEQ + 1  # two words after the step: the signature of the piece in each half
 _PAIR = 3 * _LINE  # per sender: head line, tail line, slot-size line
 _MAX_SLOTS = _LINE
 _PAGE = 4096
@@ -199,23 +202,72 @@ class ShmTransport(Transport, SharedRegions):
 
     device_type = "cpu"
 
-    def __init__(self, rank: int, world_size: int, timeout: float, store, config: ShmConfig | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        store: "dist.Store",
+        config: ShmConfig | None = None,
+        fallback: Callable[[], Transport] | None = None,
+    ):
         Transport.__init__(self, rank, world_size, timeout)
         # the n-th transport this rank builds on this store meets the n-th of every other rank
-        key = f"shm/{store.add(f'shm/built/{rank}', 1)}"
-        local = config or ShmConfig.from_env()
+        self._key = f"shm/{store.add(f'shm/built/{rank}', 1)}"
+        self._store = store
+        self.config = config or ShmConfig.from_env()
+        self.config.validate()
+        self._fallback = fallback
+        self._p2p: Transport | None = None
+        self._set_up = False
+        self._maps: list[mmap.mmap | None] = []
+        self._socks: dict[Peer, socket.socket] = {}
+
+    def _ready(self) -> bool:
+        """Set up on first use (inside a collective, so errors name it); False once on the fallback."""
+        if self._set_up:
+            return True
+        if self._p2p is not None:
+            self._p2p.op = self.op
+            return False
+        try:
+            self._setup()
+        except ShmUnavailableError as exc:
+            if self._fallback is None:
+                raise
+            log.warning("%s; falling back to the p2p backend", exc)
+            self._p2p = self._fallback()
+            return self._ready()
+        self._set_up = True
+        return True
+
+    def _get(self, key: str, peer: Peer, deadline: float) -> str:
+        """A set-up value published by ``peer``, waiting at most until ``deadline``."""
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except (RuntimeError, dist.DistError) as exc:
+            raise CollectiveTimeoutError(
+                f"{self.op}: shared-memory set-up timed out after {self.timeout:g}s: rank {peer} did not "
+                f"join (this is rank {self.rank} of {self.world_size})",
+                op=self.op,
+                peer=peer,
+            ) from exc
+        return self._store.get(key).decode()
+
+    def _setup(self) -> None:
+        """Agree on sizes, create the segment, check every rank succeeded, exchange and map."""
+        store, key, rank, local = self._store, self._key, self.rank, self.config
+        deadline = time.monotonic() + self.timeout
         if rank == 0:
-            local.validate()
             uid = secrets.token_hex(8)
             store.set(f"{key}/setup", f"{uid},{local.slot_bytes},{local.slots},{local.region_bytes}")
-        uid, slot, slots, region = store.get(f"{key}/setup").decode().split(",")
+        uid, slot, slots, region = self._get(f"{key}/setup", 0, deadline).split(",")
         self.config = dataclasses.replace(local, slot_bytes=int(slot), slots=int(slots), region_bytes=int(region))
         self._uid = uid
-        cfg, n = self.config, world_size
+        cfg, n = self.config, self.world_size
         self._size = cfg.segment_bytes(n)
         self._ctrl_bytes = cfg.control_bytes(n)
-        self._maps: list[mmap.mmap | None] = [None] * n
-        self._socks: dict[Peer, socket.socket] = {}
+        self._maps = [None] * n
         fd = -1
         failure = ""
         try:
@@ -223,7 +275,7 @@ class ShmTransport(Transport, SharedRegions):
         except (OSError, ShmUnavailableError) as exc:
             failure = str(exc)
         store.set(f"{key}/ok/{rank}", f"fail {failure}" if failure else f"ok {_machine()}")
-        reports = [store.get(f"{key}/ok/{q}").decode() for q in range(n)]
+        reports = [self._get(f"{key}/ok/{q}", q, deadline) for q in range(n)]
         failures = [(q, text[5:]) for q, text in enumerate(reports) if text.startswith("fail ")]
         if not failures and len(set(reports)) > 1:  # checked, not assumed: one kernel, one network
             failures = [(rank, f"shm: the ranks are not all on one host in one network namespace: {reports}; "
@@ -234,13 +286,13 @@ class ShmTransport(Transport, SharedRegions):
             q, text = failures[0]
             raise ShmUnavailableError(text if q == rank else f"shm: rank {q} could not set up: {text}")
         try:
-            fds = self._connect(fd)
+            fds = self._connect(fd, deadline)
             for q, peer_fd in fds.items():
                 self._maps[q] = self._map(peer_fd)
                 if peer_fd != fd:
                     os.close(peer_fd)
         except OSError as exc:
-            self.close()
+            self._close_setup()
             raise ShmUnavailableError(
                 f"shm: rank {rank} could not exchange segments with its peers ({exc}); every rank of the "
                 "group must run on this host in one network namespace (use backend='p2p' otherwise)"
@@ -260,9 +312,10 @@ class ShmTransport(Transport, SharedRegions):
         self._recvs: dict[Peer, collections.deque[_Message]] = {q: collections.deque() for q in range(n) if q != rank}
         self._step = 0
         self._pieces = 0
+        self._half = self._signature = 0
         self._dead: set[Peer] = set()
         self._poll = select.poll()
-        self._fd_peer = {}
+        self._fd_peer: dict[int, Peer] = {}
         for q, s in self._socks.items():
             s.setblocking(False)
             self._poll.register(s.fileno(), select.POLLIN)
@@ -273,26 +326,23 @@ class ShmTransport(Transport, SharedRegions):
     def for_group(cls, group: "Group", device: torch.device) -> Transport:
         """The ``shm`` backend's factory: the transport of ``group``.
 
-        If the backend was picked by ``auto`` and shared memory cannot be set up (on every rank
-        alike: the failure is agreed through the store), logs why and returns the ``p2p``
-        transport instead; a group that asked for ``shm`` by name gets the error.
+        The segments are set up by the first collective (so a missing peer gives that
+        collective's timeout error). If the backend was picked by ``auto`` and shared memory
+        cannot be set up (on every rank alike: the failure is agreed through the store), the
+        transport logs why and forwards everything to a ``p2p`` transport; a group that asked
+        for ``shm`` by name gets :class:`ShmUnavailableError`.
         """
-        try:
-            return cls(group.rank(), group.size(), group.timeout, group.store)
-        except ShmUnavailableError as exc:
-            if group.backend == "shm":
-                raise
-            log.warning("%s; falling back to the p2p backend", exc)
-            return TorchP2PTransport.for_group(group, device)
+        fallback = None if group.backend == "shm" else (lambda: TorchP2PTransport.for_group(group, device))
+        return cls(group.rank(), group.size(), group.timeout, group.store, fallback=fallback)
 
     @staticmethod
-    def usable(group: "Group") -> bool:
+    def usable(group: "Group | None") -> bool:
         """Whether ``auto`` may pick shm for ``group``: every rank on this host (by host key).
 
         The constructor checks the rest (one kernel and network namespace, space for the
         segments) and falls back to p2p, on every rank alike, if that fails.
         """
-        return sys.platform.startswith("linux") and len(set(group.hosts)) == 1
+        return group is not None and sys.platform.startswith("linux") and len(set(group.hosts)) == 1
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -327,14 +377,13 @@ class ShmTransport(Transport, SharedRegions):
     def _address(self, q: int) -> bytes:
         return f"\0ringddp-shm-{self._uid}-{q}".encode()
 
-    def _connect(self, fd: int) -> dict[Peer, int]:
+    def _connect(self, fd: int, deadline: float) -> dict[Peer, int]:
         """Exchange segment fds with every peer over abstract unix sockets; keep the sockets.
 
         Rank ``r`` connects to every lower rank and accepts every higher one; a connection only
         waits for a lower rank, so the set-up cannot deadlock.
         """
         n, r = self.world_size, self.rank
-        deadline = time.monotonic() + self.timeout
         fds = {r: fd}
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -542,6 +591,8 @@ class ShmTransport(Transport, SharedRegions):
             raise ValueError(f"{self.op}: peer {peer} is not another rank of 0..{self.world_size - 1}")
 
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
+        if not self._ready():
+            return self._p2p.isend(tensor, peer)  # type: ignore[union-attr]
         self._check_peer(peer)
         m = _Message(tensor, peer, "send", self.config.slot_bytes)
         self._sends[peer].append(m)
@@ -550,6 +601,8 @@ class ShmTransport(Transport, SharedRegions):
         return ShmRequest(self, m)
 
     def irecv(self, tensor: torch.Tensor, peer: Peer) -> Request:
+        if not self._ready():
+            return self._p2p.irecv(tensor, peer)  # type: ignore[union-attr]
         self._check_peer(peer)
         m = _Message(tensor, peer, "recv", self.config.slot_bytes)
         self._recvs[peer].append(m)
@@ -559,18 +612,20 @@ class ShmTransport(Transport, SharedRegions):
 
     # ---- shared regions (see base.SharedRegions) -------------------------------------------
 
-    def shared_regions(self) -> SharedRegions:
-        return self
+    def shared_regions(self) -> SharedRegions | None:
+        return self if self._ready() else None
 
     def view(self, rank: int, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         return self._halves[rank][half][: numel * dtype.itemsize].view(dtype)
 
-    def begin_piece(self) -> int:
+    def begin_piece(self, signature: int) -> int:
         g = self._pieces
         if g >= 2:
             for q in self._sends:
                 ctrl = self._ctrl[q]
                 self._await(lambda: ctrl[_DONE] >= g - 1, lambda: (), "waiting for", q)
+        self._half, self._signature = g % 2, signature
+        self._ctrl[self.rank][_TAG + g % 2] = signature
         return g % 2
 
     def end_piece(self) -> None:
@@ -594,10 +649,23 @@ class ShmTransport(Transport, SharedRegions):
                 ctrl = self._ctrl[q]
                 self._await(lambda: ctrl[_SEQ] >= step, lambda: (), "waiting for", q)
         _fence()
+        for q in wait_for:
+            if self._ctrl[q][_TAG + self._half] != self._signature:
+                raise CollectiveError(
+                    f"{self.op}: rank {q} is running a different collective or size than this rank "
+                    f"(rank {self.rank}): every rank must make the same calls with the same sizes",
+                    op=self.op,
+                    peer=q,
+                )
 
     # ---- teardown --------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._p2p is not None:
+            self._p2p.close()
+        self._close_setup()
+
+    def _close_setup(self) -> None:
         for s in self._socks.values():
             s.close()
         self._socks.clear()
