@@ -237,7 +237,8 @@ def too_small(rank: int, world_size: int) -> tuple[str, str]:
     x = torch.ones(10)
     collectives.all_reduce(x, group=g)
     assert x[0] == world_size
-    return error, transport_name_of(g)
+    transport = g.engine(torch.device("cpu"), "test").transport
+    return error, type(transport._p2p).__name__, transport.shared_regions()
 
 
 def transport_name_of(group) -> str:
@@ -256,9 +257,9 @@ def test_shm_directory_too_small(monkeypatch):
     try:
         results = collectives.launch(too_small, 2, backend="shm", timeout=20.0, join_timeout=90)
         needed = ShmConfig().segment_bytes(2)
-        for error, fallback in results:
+        for error, fallback, regions in results:
             assert f"needs {needed} bytes" in error and "--shm-size" in error and "p2p" in error, error
-            assert fallback == "TorchP2PTransport"
+            assert fallback == "TorchP2PTransport" and regions is None
         assert os.listdir(mountpoint) == []
     finally:
         subprocess.run(["umount", mountpoint], check=True)
