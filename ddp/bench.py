@@ -105,7 +105,7 @@ class Config:
     rounds: int = 10
     steps: int = 3
     lr: float = 1e-3
-    backend: str = "p2p"
+    backend: str = "auto"
     threads: int | None = None
     seed: int = 0
     timeout: float = 120.0
@@ -396,7 +396,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--steps", type=int, default=3, help="steps of each variant per round (default 3)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--backend", default="p2p", type=backend_argument, help=f"backend of our collectives (default p2p): {describe_backends()}")
+    p.add_argument("--backend", default="auto", type=backend_argument, help=f"backend of our collectives (default auto: shm on one host): {describe_backends()}")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cpu_count // world size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any communication may block")

@@ -45,7 +45,7 @@ log = logging.getLogger("ddp.train")
 @dataclasses.dataclass
 class Config:
     world_size: int = 2
-    backend: str = "p2p"
+    backend: str = "auto"
     epochs: int = 10
     batch_size: int = 32  # per rank, per micro-batch
     lr: float = 0.05
@@ -265,7 +265,7 @@ def _plot(path: str, epochs: list[dict[str, float]], cfg: Config) -> None:
 def parse_args(argv: list[str] | None = None) -> Config:
     p = argparse.ArgumentParser(prog="ringddp-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", "-n", type=int, default=2, help="local processes to start (default 2)")
-    p.add_argument("--backend", default="p2p", type=backend_argument, help=f"collectives backend: {describe_backends()}")
+    p.add_argument("--backend", default="auto", type=backend_argument, help=f"collectives backend (default auto: shm on one host): {describe_backends()}")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="rows per rank per micro-batch")
     p.add_argument("--lr", type=float, default=0.05)
