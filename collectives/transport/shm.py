@@ -116,7 +116,7 @@ class ShmConfig:
         slot_bytes: size of one FIFO slot: the chunk a long message is streamed in.
         slots: FIFO depth per pair (at most 8).
         region_bytes: a rank's region for the shared-memory algorithms (two halves).
-        spin_seconds: how long a waiter polls memory before it blocks.
+        spin_seconds: how long a waiter polls memory before it blocks (``RINGDDP_SHM_SPIN_US``).
     """
 
     directory: str = "/dev/shm"
@@ -132,6 +132,7 @@ class ShmConfig:
             slot_bytes=_env_bytes("RINGDDP_SHM_SLOT_BYTES", cls.slot_bytes),
             slots=_env_bytes("RINGDDP_SHM_SLOTS", cls.slots),
             region_bytes=_env_bytes("RINGDDP_SHM_REGION_BYTES", cls.region_bytes),
+            spin_seconds=float(os.environ.get("RINGDDP_SHM_SPIN_US", cls.spin_seconds * 1e6)) / 1e6,
         )
 
     def validate(self) -> None:
