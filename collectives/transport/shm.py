@@ -195,10 +195,15 @@ class ShmTransport(Transport, SharedRegions):
         store: a torch Store private to the group (rendezvous: a random job id, rank 0's sizes,
             each rank's success); fds travel over unix-domain sockets, never through the store.
         config: sizes; default :meth:`ShmConfig.from_env`.
+        fallback: builds the transport to use instead when shared memory is unavailable;
+            without one, that raises :class:`ShmUnavailableError`.
 
-    Raises:
-        ShmUnavailableError: on every rank, if any rank cannot create its segment or reach a
-            peer (the message names the rank, the size needed and the fixes).
+    Nothing is shared until the first message or shared-region call (the first collective), so
+    set-up failures name that collective. Then, on every rank alike: if any rank cannot create its
+    segment (the message names the rank, the size needed and the fixes) or the ranks are not on
+    one kernel and network namespace, ``fallback`` is used or :class:`ShmUnavailableError` raised;
+    a peer that does not join within ``timeout`` gives
+    :class:`~collectives.errors.CollectiveTimeoutError` naming it.
     """
 
     device_type = "cpu"
@@ -292,11 +297,12 @@ class ShmTransport(Transport, SharedRegions):
                 self._maps[q] = self._map(peer_fd)
                 if peer_fd != fd:
                     os.close(peer_fd)
-        except OSError as exc:
+        except OSError as exc:  # the ranks agreed they can share memory: a peer failed mid-way
             self._close_setup()
-            raise ShmUnavailableError(
-                f"shm: rank {rank} could not exchange segments with its peers ({exc}); every rank of the "
-                "group must run on this host in one network namespace (use backend='p2p' otherwise)"
+            raise CollectiveError(
+                f"{self.op}: shared-memory set-up failed while exchanging segments with the peers "
+                f"(this is rank {rank} of {self.world_size}): {exc}",
+                op=self.op,
             ) from exc
         finally:
             if fd >= 0:
