@@ -281,3 +281,18 @@ def test_config_is_checked():
         ShmConfig(slots=9).validate()
     with pytest.raises(ValueError, match="multiple of 64"):
         ShmConfig(slot_bytes=100).validate()
+
+
+def mismatched_sizes(rank: int, world_size: int, numel: int) -> tuple[str, str | None]:
+    try:
+        collectives.all_reduce(torch.ones(numel + 7 * rank))
+    except collectives.CollectiveError as exc:
+        return "error", exc.op
+    return "no error", None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("numel", [100, 3 << 20])  # one-shot and two-shot
+def test_mismatched_calls_raise_instead_of_a_silent_answer(numel):
+    results = collectives.launch(mismatched_sizes, 2, numel, backend="shm", timeout=5.0, join_timeout=60)
+    assert results == [("error", "all_reduce")] * 2, results
