@@ -17,13 +17,14 @@ from typing import ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from . import direct, ring, tree
+from . import direct, hierarchical, ring, tree
 from .buffers import Workspace
 from .ops import ReduceOp, finish
+from .topology import Layout
 from .transport.base import Transport
 
-ALL_REDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling")
-BROADCAST_ALGORITHMS = ("auto", "chain", "binomial")
+ALL_REDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")
+BROADCAST_ALGORITHMS = ("auto", "chain", "binomial", "hierarchical")
 REDUCE_ALGORITHMS = ("auto", "ring", "binomial")
 
 
@@ -49,12 +50,18 @@ class Tuning:
 
 
 class AlgorithmEngine:
-    """Collectives built from the point-to-point calls of one transport."""
+    """Collectives built from the point-to-point calls of one transport.
 
-    def __init__(self, transport: Transport, workspace: Workspace, tuning: Tuning):
+    ``layout`` (which ranks share a host) makes ``auto`` pick the hierarchical algorithms
+    (``hierarchical.py``) when the group spans hosts with the same number of ranks on each.
+    """
+
+    def __init__(self, transport: Transport, workspace: Workspace, tuning: Tuning, layout: Layout | None = None):
         self.transport = transport
         self.workspace = workspace
         self.tuning = tuning
+        self.layout = layout or Layout((tuple(range(transport.world_size)),))
+        self._hierarchy: hierarchical.Hierarchy | None = None
 
     @property
     def name(self) -> str:
@@ -71,18 +78,37 @@ class AlgorithmEngine:
         """``buf`` holds at most ``limit`` bytes (default: ``tuning.small_bytes``)."""
         return buf.numel() * buf.element_size() <= (self.tuning.small_bytes if limit is None else limit)
 
+    def _spans_hosts(self) -> bool:
+        return self.layout.spans_hosts and self.layout.uniform
+
+    def hierarchy(self) -> hierarchical.Hierarchy:
+        """This rank's host and rail views of the transport; the layout must be uniform."""
+        if not self.layout.uniform:
+            sizes = [len(h) for h in self.layout.hosts]
+            raise ValueError(f"hierarchical algorithms need the same number of ranks on every host, got {sizes}")
+        if self._hierarchy is None:
+            self._hierarchy = hierarchical.Hierarchy.of(self.transport, self.layout)
+        return self._hierarchy
+
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto":
-            algorithm = "recursive_doubling" if self._is_small(buf) else "ring"
-        if algorithm == "ring":
+            algorithm = "hierarchical" if self._spans_hosts() else "recursive_doubling" if self._is_small(buf) else "ring"
+        if algorithm == "hierarchical":
+            hierarchical.all_reduce(
+                self.hierarchy(), buf, op, self.workspace, self._segment_elems(buf), self.tuning.depth,
+                self.tuning.small_bytes // buf.element_size(),
+            )
+        elif algorithm == "ring":
             ring.all_reduce(self.transport, buf, op, self.workspace, self._segment_elems(buf), self.tuning.depth)
         else:
             tree.recursive_doubling_all_reduce(self.transport, buf, op, self.workspace)
 
     def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
-        if algorithm == "auto":
-            algorithm = "binomial" if self._is_small(buf, self.tuning.chain_bytes) else "chain"
-        if algorithm == "chain":
+        large = not self._is_small(buf, self.tuning.chain_bytes)
+        chain = algorithm == "chain" or (algorithm in ("auto", "hierarchical") and large)
+        if algorithm == "hierarchical" or (algorithm == "auto" and self._spans_hosts()):
+            hierarchical.broadcast(self.hierarchy(), buf, src, self._segment_elems(buf), self.tuning.depth, chain)
+        elif chain:
             ring.chain_broadcast(self.transport, buf, src, self._segment_elems(buf), self.tuning.depth)
         else:
             tree.binomial_broadcast(self.transport, buf, src)
@@ -107,11 +133,19 @@ class AlgorithmEngine:
         if self._is_small(out):  # one round of direct exchanges instead of n - 1 ring steps
             direct.all_to_all(self.transport, [out[i * m : (i + 1) * m] for i in range(n)], [inp] * n)
             return
+        if self._spans_hosts():
+            hierarchical.all_gather(self.hierarchy(), out, inp, self.workspace, self._segment_elems(out), self.tuning.depth)
+            return
         out[r * m : (r + 1) * m].copy_(inp)
         ring.all_gather(self.transport, out, [i * m for i in range(n + 1)], self._segment_elems(out), self.tuning.depth)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, out.numel()
+        if self._spans_hosts():
+            hierarchical.reduce_scatter(
+                self.hierarchy(), out, inp, op, self.workspace, self._segment_elems(inp), self.tuning.depth
+            )
+            return
         work = self.workspace.get("reduce-scatter", inp.numel(), inp.dtype, inp.device)
         work.copy_(inp)
         ring.reduce_scatter(

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .buffers import Workspace
 from .engine import AlgorithmEngine, TorchEngine, Tuning
 from .errors import CollectiveError, CollectiveTimeoutError
+from .topology import Layout, hosts_of
 from .transport.torch_p2p import TorchP2PTransport
 from .work import Executor
 
@@ -142,7 +143,7 @@ class Group:
             from .transport.cupy_nccl import CupyNcclTransport
 
             transport = CupyNcclTransport.create(self.process_group, self.rank, self.timeout, device)
-        return AlgorithmEngine(transport, self.workspace, self.tuning)
+        return AlgorithmEngine(transport, self.workspace, self.tuning, Layout.from_keys(hosts_of(self)))
 
     def close(self) -> None:
         self.executor.close()
