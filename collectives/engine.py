@@ -48,6 +48,14 @@ class Tuning:
     segment_bytes: int = 4 << 20
     depth: int = 4
 
+    @classmethod
+    def from_alpha_beta(cls, alpha: float, beta: float, world_size: int) -> "Tuning":
+        """Thresholds where the cost formulas cross for a link of latency ``alpha`` seconds and
+        ``beta`` seconds per byte (see :func:`collectives.costmodel.tuning`)."""
+        from .costmodel import Link, tuning
+
+        return tuning(Link(alpha, beta), world_size, cls())
+
 
 class AlgorithmEngine:
     """Collectives built from the point-to-point calls of one transport.

@@ -79,10 +79,9 @@ def unavailable() -> str | None:
     return None
 
 
-def qdisc_unavailable(kind: str) -> str | None:
-    """Why the ``tc`` qdisc ``kind`` (``netem``, ``tbf``) cannot be used here, or None."""
+def link_unavailable(spec: str) -> str | None:
+    """Why the ``tc qdisc`` spec ``spec`` (e.g. ``"netem delay 1ms"``) cannot shape a link here, or None."""
     with HostNet(hosts=1) as net:
-        spec = {"netem": "netem delay 1ms", "tbf": "tbf rate 1gbit burst 64kb latency 50ms"}.get(kind, kind)
         try:
             net.shape(0, spec)
         except HostNetError as exc:
@@ -222,7 +221,7 @@ class HostNet:
 
         size = self.hosts * ranks_per_host
         with tempfile.TemporaryDirectory(prefix="ringddp-hosts-") as tmp:
-            main = getattr(sys.modules["__main__"], "__file__", None) if fn.__module__ == "__main__" else None
+            main = _main_source() if fn.__module__ == "__main__" else None
             with open(os.path.join(tmp, "job.pkl"), "wb") as f:
                 pickle.dump(main, f)
                 pickle.dump((fn, args, backend, timeout), f)
@@ -273,14 +272,30 @@ def _read(tmp: str, rank: int, code: int) -> tuple:
         return ("died", code)
 
 
-def _load_main(path: str) -> None:
+def _main_source() -> tuple[str, str] | None:
+    """How a child finds the parent's ``__main__``: ("module", name) under ``-m``, else ("path", file)."""
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return ("module", spec.name)
+    path = getattr(main, "__file__", None)
+    return ("path", path) if path else None
+
+
+def _load_main(source: tuple[str, str]) -> None:
+    """Load the parent's ``__main__`` as ``__mp_main__`` (as multiprocessing's spawn does)."""
+    import importlib
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("__mp_main__", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["__mp_main__"] = module
-    spec.loader.exec_module(module)
-    sys.modules["__main__"] = module
+    kind, where = source
+    if kind == "module":
+        module = importlib.import_module(where)
+    else:
+        spec = importlib.util.spec_from_file_location("__mp_main__", where)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["__mp_main__"] = module
+        spec.loader.exec_module(module)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
 def _rank_main(tmp: str) -> None:

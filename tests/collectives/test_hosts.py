@@ -6,6 +6,7 @@ namespace behind.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -139,3 +140,30 @@ def test_cleanup_after_failure_and_stale_sweep():
     # a namespace named like one of a crashed run (a pid that no longer exists) is swept
     subprocess.run(["ip", "netns", "add", "rdh999999999x0-h0"], check=True)
     assert "rdh999999999x0-h0" in sweep()
+
+
+@pytest.mark.timeout(180)
+def test_bench_between_hosts_with_a_shaped_link(tmp_path, capsys):
+    from collectives import bench
+
+    out = tmp_path / "bench.json"
+    argv = ["--hosts", "2", "--world-sizes", "4", "--tbf", "rate 1gbit burst 256kb latency 50ms", "--model",
+            "--ops", "all_reduce,broadcast,all_gather,reduce_scatter", "--min-bytes", "64K", "--max-bytes", "64K",
+            "--small-bytes", "16K", "--iters", "2", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert {r["op"]: r["algorithm"] for r in rows} == {
+        "all_reduce": "hierarchical", "broadcast": "hierarchical", "all_gather": "hierarchical", "reduce_scatter": "hierarchical"}
+    assert all(r["wrong"] == 0 and r["model_us"] > 0 for r in rows)
+    assert rows[0]["net_beta"] > 2e-9  # the 1 Gbit/s bucket is slower than the veth
+
+
+def test_bench_refuses_a_missing_qdisc(capsys):
+    from collectives import bench
+    from collectives.testing.hosts import link_unavailable
+
+    if link_unavailable("netem delay 1ms") is None:
+        pytest.skip("this kernel has netem")
+    with pytest.raises(SystemExit):
+        bench.main(["--hosts", "2", "--netem", "delay 1ms rate 1gbit"])
+    assert "CONFIG_NET_SCH_NETEM" in capsys.readouterr().err
