@@ -21,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from .engine import Tuning
 from .topology import Layout
-from .transport.base import Transport
 
 PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20)
 
@@ -47,31 +46,39 @@ class Link:
         return f"alpha {self.alpha * 1e6:.1f} us, beta {self.beta * 1e9:.3f} ns/B ({bw:.2f} GB/s)"
 
 
-def ping_pong(transport: Transport, a: int, b: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[tuple[int, float]]:
+class Endpoint(Protocol):
+    """What ping-pong needs: an engine or a transport (group ranks)."""
+
+    def send(self, buf: torch.Tensor, peer: int) -> None: ...
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None: ...
+
+
+def ping_pong(
+    endpoint: Endpoint, rank: int, a: int, b: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
+) -> list[tuple[int, float]]:
     """One-way times ``[(bytes, seconds)]`` between ranks ``a`` and ``b`` (others return ``[]``).
 
     Rank ``a`` sends, ``b`` echoes; one way = fastest round trip / 2 after one warm-up.
     """
-    r = transport.rank
-    if r not in (a, b) or a == b:
+    if rank not in (a, b) or a == b:
         return []
-    peer = b if r == a else a
+    peer = b if rank == a else a
     samples = []
-    with transport.operation("ping-pong"):
-        for nbytes in sizes:
-            buf = torch.zeros(nbytes, dtype=torch.uint8)
-            trips = []
-            for i in range(iters + 1):
-                start = time.perf_counter()
-                if r == a:
-                    transport.send(buf, peer)
-                    transport.recv(buf, peer)
-                else:
-                    transport.recv(buf, peer)
-                    transport.send(buf, peer)
-                if i:
-                    trips.append(time.perf_counter() - start)
-            samples.append((nbytes, min(trips) / 2))
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        trips = []
+        for i in range(iters + 1):
+            start = time.perf_counter()
+            if rank == a:
+                endpoint.send(buf, peer)
+                endpoint.recv(buf, peer)
+            else:
+                endpoint.recv(buf, peer)
+                endpoint.send(buf, peer)
+            if i:
+                trips.append(time.perf_counter() - start)
+        samples.append((nbytes, min(trips) / 2))
     return samples
 
 
@@ -93,7 +100,7 @@ def fit(samples: Sequence[tuple[int, float]]) -> Link:
     return Link(max(0.0, float(times[small] - beta * sizes[small])), beta)
 
 
-def measure(transport: Transport, layout: Layout, sizes: Sequence[int] = PING_SIZES) -> dict[str, Link]:
+def measure(endpoint: Endpoint, rank: int, layout: Layout, sizes: Sequence[int] = PING_SIZES) -> dict[str, Link]:
     """Fit ``"net"`` (rank 0 ↔ the first rank of host 1) and ``"local"`` (rank 0 ↔ the next rank of
     host 0); a missing kind of link gets the other's fit. Every rank of the group must call it;
     rank 0 fits and sends the numbers to all, so every rank returns the same links.
@@ -105,16 +112,15 @@ def measure(transport: Transport, layout: Layout, sizes: Sequence[int] = PING_SI
         peers["local"] = layout.hosts[0][1]
     fits = torch.zeros(2 * len(peers), dtype=torch.float64)
     for i, peer in enumerate(peers.values()):
-        samples = ping_pong(transport, 0, peer, sizes)
-        if transport.rank == 0:
+        samples = ping_pong(endpoint, rank, 0, peer, sizes)
+        if rank == 0:
             link = fit(samples)
             fits[2 * i : 2 * i + 2] = torch.tensor([link.alpha, link.beta], dtype=torch.float64)
-    with transport.operation("ping-pong"):
-        if transport.rank == 0:
-            for peer in range(1, transport.world_size):
-                transport.send(fits, peer)
-        else:
-            transport.recv(fits, 0)
+    if rank == 0:
+        for peer in range(1, sum(len(h) for h in layout.hosts)):
+            endpoint.send(fits, peer)
+    else:
+        endpoint.recv(fits, 0)
     links = {name: Link(*fits[2 * i : 2 * i + 2].tolist()) for i, name in enumerate(peers)}
     links.setdefault("net", links.get("local", Link(0.0, 0.0)))
     links.setdefault("local", links["net"])

@@ -46,6 +46,7 @@ group's transport, so every phase is an ordinary algorithm from ``ring.py`` / ``
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import torch
 
@@ -117,15 +118,15 @@ def all_gather(
 
 
 def reduce_scatter(
-    hier: Hierarchy, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, workspace: Workspace,
+    hier: Hierarchy, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp, workspace: Workspace,
     segment_elems: int, depth: int,
 ) -> None:
-    """Reorder ``inp`` rank-major, reduce-scatter in the host, then along the rail."""
+    """Stage ``ins`` rank-major, reduce-scatter in the host, then along the rail (``ins`` unchanged)."""
     m, hosts = out.numel(), hier.inter.world_size
-    stage = workspace.get("hierarchical", inp.numel(), inp.dtype, inp.device)
-    for r in range(hier.size):
+    stage = workspace.get("hierarchical", hier.size * m, out.dtype, out.device)
+    for r, piece in enumerate(ins):
         p = hier.position(r)
-        stage[p * m : (p + 1) * m].copy_(inp[r * m : (r + 1) * m])
+        stage[p * m : (p + 1) * m].copy_(piece)
     ring.reduce_scatter(
         hier.intra, stage, [j * hosts * m for j in range(hier.intra.world_size + 1)], op, workspace, segment_elems, depth
     )

@@ -23,7 +23,7 @@ Needs root, ``ip`` and ``tc`` (iproute2); :func:`unavailable` says why not, for 
 ``CONFIG_NET_SCH_NETEM``; ``"tbf rate 1gbit burst 256kb latency 50ms"`` shapes bandwidth only.
 
 Note: every namespace of one machine still shares ``/dev/shm`` and the file system. Host identity
-for topology therefore includes the network namespace (:func:`collectives.topology.host_key`):
+for topology therefore includes the network namespace (:func:`collectives.group.host_key`):
 two ranks in different namespaces are on different hosts and must talk over the network.
 """
 
@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable, Sequence
+
+from ..launch import Report
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +219,7 @@ class HostNet:
         raise has its exception re-raised here with its traceback as a note (the others get a
         grace period, then are killed). ``fn`` must be importable by module and name.
         """
-        from ..launch import _grace_seconds, _raise_failure
+        from ..launch import _grace_seconds, raise_failure
 
         size = self.hosts * ranks_per_host
         with tempfile.TemporaryDirectory(prefix="ringddp-hosts-") as tmp:
@@ -229,23 +231,23 @@ class HostNet:
                 self.popen(rank // ranks_per_host, [sys.executable, "-m", __name__, tmp], env=self.rank_env(rank, ranks_per_host, env))
                 for rank in range(size)
             ]
-            reports: dict[int, tuple] = {}
-            failures: list[tuple[float, int, tuple]] = []
+            reports: dict[int, Report] = {}
+            failures: list[tuple[int, Report]] = []
             deadline = time.monotonic() + join_timeout
             while len(reports) < size and time.monotonic() < deadline:
                 for rank, proc in enumerate(procs):
                     if rank in reports or proc.poll() is None:
                         continue
                     reports[rank] = _read(tmp, rank, proc.returncode)
-                    if reports[rank][0] != "ok":
-                        failures.append((time.monotonic(), rank, reports[rank]))
+                    if reports[rank].status != "ok":
+                        failures.append((rank, reports[rank]))
                         deadline = min(deadline, time.monotonic() + _grace_seconds(timeout))
                 time.sleep(0.02)
             self._stop(procs)
         missing = [r for r in range(size) if r not in reports]
         if failures or missing:
-            _raise_failure(failures, missing, join_timeout if not failures else None)
-        return [reports[r][1] for r in range(size)]
+            raise_failure(failures, missing, join_timeout if not failures else None)
+        return [reports[r].value for r in range(size)]
 
     def _stop(self, procs: Sequence[subprocess.Popen]) -> None:
         for p in procs:
@@ -264,12 +266,12 @@ class HostNet:
         _live.discard(self)
 
 
-def _read(tmp: str, rank: int, code: int) -> tuple:
+def _read(tmp: str, rank: int, code: int) -> Report:
     try:
         with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
             return pickle.load(f)
     except (OSError, EOFError, pickle.UnpicklingError):
-        return ("died", code)
+        return Report("died", exitcode=code)
 
 
 def _main_source() -> tuple[str, str] | None:
@@ -300,7 +302,7 @@ def _load_main(source: tuple[str, str]) -> None:
 
 def _rank_main(tmp: str) -> None:
     """One rank inside a namespace host: join through env://, run the job, write the report."""
-    from ..launch import _set_parent_death_signal, error_report, launch
+    from ..launch import _set_parent_death_signal, launch
 
     _set_parent_death_signal()
     rank = int(os.environ["RANK"])
@@ -310,10 +312,10 @@ def _rank_main(tmp: str) -> None:
             if main is not None:  # fn lives in the parent's script: load it as multiprocessing does
                 _load_main(main)
             fn, args, backend, timeout = pickle.load(f)
-        report: tuple = ("ok", launch(fn, int(os.environ["WORLD_SIZE"]), *args, backend=backend, timeout=timeout)[rank])
+        report = Report("ok", launch(fn, int(os.environ["WORLD_SIZE"]), *args, backend=backend, timeout=timeout)[rank])
         code = 0
     except BaseException as exc:
-        report, code = error_report(exc), 1
+        report, code = Report.failure(exc), 1
     with open(os.path.join(tmp, f"rank{rank}.pkl.part"), "wb") as f:
         pickle.dump(report, f)
     os.replace(os.path.join(tmp, f"rank{rank}.pkl.part"), os.path.join(tmp, f"rank{rank}.pkl"))

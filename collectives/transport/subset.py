@@ -24,7 +24,6 @@ class SubsetTransport(Transport):
         super().__init__(list(members).index(parent.rank), len(members), parent.timeout)
         self.parent = parent
         self.members = list(members)
-        self.device_type = parent.device_type
 
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
         return self.parent.isend(tensor, self.members[peer])
