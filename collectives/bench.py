@@ -194,7 +194,9 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     device, reference, sync = _setup(rank, n, backend)
     engine = ours.engine(device, "bench")
     layout = Layout.from_keys(ours.hosts)
-    links = costmodel.measure(engine, rank, layout) if model else None
+    if model and not isinstance(engine, AlgorithmEngine):
+        raise ValueError(f"--model needs a backend running our algorithms over a transport, not {type(engine).__name__}")
+    links = costmodel.measure(engine.transport, layout) if model else None
     if links and rank == 0:
         log.warning("fitted links: net %s; local %s", links["net"], links["local"])
     rows = []
@@ -361,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(reason or f"--hosts {args.hosts}: every world size must be a multiple of it")
     print(HEADER + (CPU_HEADER if args.cpu else "") + (MODEL_HEADER if args.model else ""))
     for n in world_sizes:
-        job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm, args.model)
+        job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
+               args.model)
         result = _run_hosts(args.hosts, link, n, job) if args.hosts else launch(
             job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:

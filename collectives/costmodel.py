@@ -6,7 +6,8 @@ This module measures them and checks the formulas against the clock:
 
 * :func:`ping_pong` times round trips between two ranks at several sizes; one way is half the
   fastest round trip (the minimum filters out the scheduling noise of a busy host, which only
-  ever adds time).
+  ever adds time). :func:`exchange` times both ranks of a pair sending at once, as a ring step
+  does, on every host at the same time.
 * :func:`fit` fits ``t(S) = α + β S``: ``β`` by least squares (the large messages decide it),
   ``α`` from the smallest message.
 * :func:`predict` evaluates the cost formula of the algorithm the engine picks (or the one
@@ -21,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 from .engine import Tuning
 from .topology import Layout
+from .transport.base import Transport, wait_all
 
 PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20)
 
@@ -46,39 +48,56 @@ class Link:
         return f"alpha {self.alpha * 1e6:.1f} us, beta {self.beta * 1e9:.3f} ns/B ({bw:.2f} GB/s)"
 
 
-class Endpoint(Protocol):
-    """What ping-pong needs: an engine or a transport (group ranks)."""
-
-    def send(self, buf: torch.Tensor, peer: int) -> None: ...
-
-    def recv(self, buf: torch.Tensor, peer: int) -> None: ...
-
-
 def ping_pong(
-    endpoint: Endpoint, rank: int, a: int, b: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
+    transport: Transport, a: int, b: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
 ) -> list[tuple[int, float]]:
     """One-way times ``[(bytes, seconds)]`` between ranks ``a`` and ``b`` (others return ``[]``).
 
     Rank ``a`` sends, ``b`` echoes; one way = fastest round trip / 2 after one warm-up.
     """
-    if rank not in (a, b) or a == b:
+    r = transport.rank
+    if r not in (a, b) or a == b:
         return []
-    peer = b if rank == a else a
+    peer = b if r == a else a
     samples = []
     for nbytes in sizes:
         buf = torch.zeros(nbytes, dtype=torch.uint8)
         trips = []
         for i in range(iters + 1):
             start = time.perf_counter()
-            if rank == a:
-                endpoint.send(buf, peer)
-                endpoint.recv(buf, peer)
+            if r == a:
+                transport.send(buf, peer)
+                transport.recv(buf, peer)
             else:
-                endpoint.recv(buf, peer)
-                endpoint.send(buf, peer)
+                transport.recv(buf, peer)
+                transport.send(buf, peer)
             if i:
                 trips.append(time.perf_counter() - start)
         samples.append((nbytes, min(trips) / 2))
+    return samples
+
+
+def exchange(
+    transport: Transport, partner: int | None, sizes: Sequence[int] = PING_SIZES, iters: int = 10
+) -> list[tuple[int, float]]:
+    """Times ``[(bytes, seconds)]`` of swapping ``S`` bytes with ``partner`` (``[]`` without one).
+
+    Both sides send and receive at once, as in a ring step; when every host's pair runs this at
+    the same moment, the fit includes what the pairs cost each other (shared cores and memory:
+    all emulated hosts of one machine share its CPUs). Fastest of ``iters`` after one warm-up.
+    """
+    if partner is None:
+        return []
+    samples = []
+    for nbytes in sizes:
+        out, inc = torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        steps = []
+        for i in range(iters + 1):
+            start = time.perf_counter()
+            wait_all(transport.post(sends=[(out, partner)], recvs=[(inc, partner)]))
+            if i:
+                steps.append(time.perf_counter() - start)
+        samples.append((nbytes, min(steps)))
     return samples
 
 
@@ -100,31 +119,32 @@ def fit(samples: Sequence[tuple[int, float]]) -> Link:
     return Link(max(0.0, float(times[small] - beta * sizes[small])), beta)
 
 
-def measure(endpoint: Endpoint, rank: int, layout: Layout, sizes: Sequence[int] = PING_SIZES) -> dict[str, Link]:
-    """Fit ``"net"`` (rank 0 ↔ the first rank of host 1) and ``"local"`` (rank 0 ↔ the next rank of
-    host 0); a missing kind of link gets the other's fit. Every rank of the group must call it;
-    rank 0 fits and sends the numbers to all, so every rank returns the same links.
+def measure(transport: Transport, layout: Layout, sizes: Sequence[int] = PING_SIZES) -> dict[str, Link]:
+    """Fit ``"net"`` and ``"local"`` links on every rank of the group (all must call it).
+
+    ``net``: ping-pong between rank 0 and the first rank of host 1, the others idle (one stream
+    on the network, whose β is the host interface's). ``local``: the first two ranks of *every*
+    host exchange at once (:func:`exchange`), like the intra-host steps of a hierarchical
+    collective. A missing kind of link gets the other's fit. Rank 0 fits and sends the numbers
+    to all, so every rank returns the same links.
     """
-    peers = {}
+    r = transport.rank
+    fits = torch.zeros(4, dtype=torch.float64)
     if layout.spans_hosts:
-        peers["net"] = layout.hosts[1][0]
+        samples = ping_pong(transport, 0, layout.hosts[1][0], sizes)
+        if r == 0:
+            fits[:2] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
     if len(layout.hosts[0]) > 1:
-        peers["local"] = layout.hosts[0][1]
-    fits = torch.zeros(2 * len(peers), dtype=torch.float64)
-    for i, peer in enumerate(peers.values()):
-        samples = ping_pong(endpoint, rank, 0, peer, sizes)
-        if rank == 0:
-            link = fit(samples)
-            fits[2 * i : 2 * i + 2] = torch.tensor([link.alpha, link.beta], dtype=torch.float64)
-    if rank == 0:
-        for peer in range(1, sum(len(h) for h in layout.hosts)):
-            endpoint.send(fits, peer)
+        pair = layout.local(r)[:2]
+        samples = exchange(transport, pair[1 - pair.index(r)] if r in pair else None, sizes)
+        if r == 0:
+            fits[2:] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+    if r == 0:
+        wait_all(transport.post(sends=[(fits, peer) for peer in range(1, transport.world_size)]))
     else:
-        endpoint.recv(fits, 0)
-    links = {name: Link(*fits[2 * i : 2 * i + 2].tolist()) for i, name in enumerate(peers)}
-    links.setdefault("net", links.get("local", Link(0.0, 0.0)))
-    links.setdefault("local", links["net"])
-    return links
+        transport.recv(fits, 0)
+    net, local = Link(*fits[:2].tolist()), Link(*fits[2:].tolist())
+    return {"net": net if layout.spans_hosts else local, "local": local if len(layout.hosts[0]) > 1 else net}
 
 
 def _log2(n: int) -> int:
@@ -134,6 +154,13 @@ def _log2(n: int) -> int:
 def _rd_steps(n: int) -> int:
     """Recursive doubling: ``log2 n`` exchanges, two more when ``n`` is not a power of two."""
     return _log2(n) + (2 if n & (n - 1) else 0)
+
+
+def _contiguous(layout: Layout) -> bool:
+    """Hosts hold consecutive ranks, the same power-of-two number each (host-major placement)."""
+    per_host = len(layout.hosts[0])
+    return per_host & (per_host - 1) == 0 and all(
+        ranks == tuple(range(h * per_host, (h + 1) * per_host)) for h, ranks in enumerate(layout.hosts))
 
 
 def algorithm_for(op: str, algorithm: str, nbytes: int, layout: Layout, tuning: Tuning) -> str:
@@ -174,8 +201,9 @@ def predict(
     if op == "all_reduce":
         if name == "ring":
             return flat.time(2 * (n - 1) / n * s, 2 * (n - 1))
-        if name == "recursive_doubling":
-            return flat.time(_rd_steps(n) * s, _rd_steps(n))
+        if name == "recursive_doubling":  # rounds with partners closer than a host's size stay inside it
+            inside = _log2(per_host) if _contiguous(layout) and n & (n - 1) == 0 else 0
+            return local.time(inside * s, inside) + flat.time((_rd_steps(n) - inside) * s, _rd_steps(n) - inside)
         chunk = s / per_host
         inside = local.time(2 * (per_host - 1) / per_host * s, 2 * (per_host - 1))
         if chunk <= tuning.small_bytes:
@@ -201,7 +229,8 @@ def predict(
         if name == "direct":
             return flat.time((n - 1) / n * s, n - 1)
         if name == "hierarchical":
-            return net.time((hosts - 1) / hosts * s, hosts - 1) + local.time((per_host - 1) / per_host * s, per_host - 1)
+            across = net.time((hosts - 1) / hosts * s, hosts - 1)
+            return across + local.time((per_host - 1) / per_host * s, per_host - 1)
         return flat.time((n - 1) / n * s, n - 1)
     return flat.time((n - 1) / n * s, n - 1)  # scatter, gather, all_to_all: direct
 
@@ -229,4 +258,5 @@ def tuning(link: Link, world_size: int, base: Tuning | None = None) -> Tuning:
         small = max(0, int(link.alpha * (2 * (n - 1) - r) / (link.beta * (r - ring_bw))))
     seg = 8 * link.alpha / link.beta
     seg = 1 << min(24, max(16, round(math.log2(max(seg, 1)))))
-    return dataclasses.replace(base, small_bytes=min(small, 1 << 40), chain_bytes=min(small, 1 << 40), segment_bytes=seg)
+    small = min(small, 1 << 40)
+    return dataclasses.replace(base, small_bytes=small, chain_bytes=small, segment_bytes=seg)

@@ -182,7 +182,8 @@ class AlgorithmEngine:
 
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto":
-            algorithm = "hierarchical" if self._spans_hosts() else "recursive_doubling" if self._is_small(buf) else "ring"
+            small = "recursive_doubling" if self._is_small(buf) else "ring"
+            algorithm = "hierarchical" if self._spans_hosts() else small
         if algorithm == "hierarchical":
             hierarchical.all_reduce(
                 self.hierarchy(), buf, op, self.workspace, self._segment_elems(buf), self.tuning.depth,
@@ -235,7 +236,8 @@ class AlgorithmEngine:
             direct.all_to_all(self.transport, [out[i * m : (i + 1) * m] for i in range(n)], [inp] * n)
             return
         if self._spans_hosts():
-            hierarchical.all_gather(self.hierarchy(), out, inp, self.workspace, self._segment_elems(out), self.tuning.depth)
+            seg = self._segment_elems(out)
+            hierarchical.all_gather(self.hierarchy(), out, inp, self.workspace, seg, self.tuning.depth)
             return
         out[r * m : (r + 1) * m].copy_(inp)
         ring.all_gather(self.transport, out, [i * m for i in range(n + 1)], self._segment_elems(out), self.tuning.depth)

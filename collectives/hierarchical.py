@@ -127,9 +127,8 @@ def reduce_scatter(
     for r, piece in enumerate(ins):
         p = hier.position(r)
         stage[p * m : (p + 1) * m].copy_(piece)
-    ring.reduce_scatter(
-        hier.intra, stage, [j * hosts * m for j in range(hier.intra.world_size + 1)], op, workspace, segment_elems, depth
-    )
+    blocks = [j * hosts * m for j in range(hier.intra.world_size + 1)]
+    ring.reduce_scatter(hier.intra, stage, blocks, op, workspace, segment_elems, depth)
     mine = stage[hier.intra.rank * hosts * m : (hier.intra.rank + 1) * hosts * m]
     ring.reduce_scatter(hier.inter, mine, [h * m for h in range(hosts + 1)], op, workspace, segment_elems, depth)
     out.copy_(mine[hier.inter.rank * m : (hier.inter.rank + 1) * m])

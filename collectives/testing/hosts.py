@@ -168,7 +168,8 @@ class HostNet:
 
     def shape(self, host: int, spec: str) -> None:
         """Replace the qdisc on ``host``'s ``eth0`` with the ``tc qdisc`` spec ``spec``."""
-        argv = ["ip", "netns", "exec", self.namespaces[host], "tc", "qdisc", "replace", "dev", "eth0", "root", *spec.split()]
+        argv = ["ip", "netns", "exec", self.namespaces[host], "tc", "qdisc", "replace", "dev", "eth0", "root"]
+        argv += spec.split()
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
             hint = " (this kernel lacks CONFIG_NET_SCH_NETEM; use a tbf spec for bandwidth only)" if (
@@ -227,8 +228,9 @@ class HostNet:
             with open(os.path.join(tmp, "job.pkl"), "wb") as f:
                 pickle.dump(main, f)
                 pickle.dump((fn, args, backend, timeout), f)
+            argv = [sys.executable, "-m", __name__, tmp]
             procs = [
-                self.popen(rank // ranks_per_host, [sys.executable, "-m", __name__, tmp], env=self.rank_env(rank, ranks_per_host, env))
+                self.popen(rank // ranks_per_host, argv, env=self.rank_env(rank, ranks_per_host, env))
                 for rank in range(size)
             ]
             reports: dict[int, Report] = {}
