@@ -30,7 +30,7 @@ from .engine import Tuning
 from .topology import Layout
 from .transport.base import Transport, wait_all
 
-PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20)
+PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +201,13 @@ def predict(
     if op == "all_reduce":
         if name == "ring":
             return flat.time(2 * (n - 1) / n * s, 2 * (n - 1))
-        if name == "recursive_doubling":  # rounds with partners closer than a host's size stay inside it
+        if name == "recursive_doubling":
+            # Rounds whose partners are closer than a host's size stay inside it; in the others
+            # every rank of a host sends the whole buffer through the host's one interface.
             inside = _log2(per_host) if _contiguous(layout) and n & (n - 1) == 0 else 0
-            return local.time(inside * s, inside) + flat.time((_rd_steps(n) - inside) * s, _rd_steps(n) - inside)
+            crossing = _rd_steps(n) - inside
+            sharing = per_host if layout.spans_hosts else 1
+            return local.time(inside * s, inside) + flat.time(crossing * s * sharing, crossing)
         chunk = s / per_host
         inside = local.time(2 * (per_host - 1) / per_host * s, 2 * (per_host - 1))
         if chunk <= tuning.small_bytes:

@@ -37,10 +37,11 @@ def test_predictions_follow_the_formulas():
     assert algorithm_for("all_reduce", "auto", 4096, ONE_HOST, Tuning()) == "recursive_doubling"
     assert predict("all_reduce", s, ONE_HOST, net, local) == pytest.approx(6 * 5e-5 + 1.5 * s * 5e-10)
     # host-major recursive doubling: the first round pairs ranks of one host, the second crosses
+    # with both ranks of a host sending the whole buffer through its interface
     rd = predict("all_reduce", s, TWO_BY_TWO, net, local, algorithm="recursive_doubling")
-    assert rd == pytest.approx(5e-5 + s * 5e-10 + 1e-3 + s * 8e-9)
+    assert rd == pytest.approx(5e-5 + s * 5e-10 + 1e-3 + 2 * s * 8e-9)
     interleaved = predict("all_reduce", s, Layout(((0, 2), (1, 3))), net, local, algorithm="recursive_doubling")
-    assert interleaved == pytest.approx(2 * (1e-3 + s * 8e-9))
+    assert interleaved == pytest.approx(2 * (1e-3 + 2 * s * 8e-9))
 
 
 def test_tuning_from_alpha_beta():
