@@ -100,7 +100,14 @@ def _flats(ts: Sequence[torch.Tensor], write_back: bool) -> Iterator[list[torch.
 _ITEMSIZE = {str(d): d.itemsize for d in SUPPORTED_DTYPES}
 
 
-def _submit(g: Group, op_name: str, fn: Callable[[], None], async_op: bool, signature: debug.Signature) -> Work | None:
+def _submit(
+    g: Group,
+    op_name: str,
+    fn: Callable[[], None],
+    async_op: bool,
+    signature: debug.Signature,
+    result: list[torch.Tensor] | None = None,
+) -> Work | None:
     """Run ``fn`` on the group's queue; turn communication failures into a broken group."""
     if g.broken is not None:
         raise CollectiveError(f"{op_name}: group {g.name} is unusable after an earlier failure: {g.broken}", op=op_name)
@@ -124,7 +131,7 @@ def _submit(g: Group, op_name: str, fn: Callable[[], None], async_op: bool, sign
 
     if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
         log.debug("%s on %s (rank %d)", debug.describe(signature), g.name, g.rank)
-    work = g.executor.submit(Work(op_name), run, async_op)
+    work = g.executor.submit(Work(op_name, result), run, async_op)
     return work if async_op else None
 
 
@@ -161,7 +168,7 @@ def all_reduce(
         with _flat(tensor) as buf, engine.transport_op(name):
             engine.all_reduce(buf, op, algorithm)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, op))
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, op), result=[tensor])
 
 
 def broadcast(
