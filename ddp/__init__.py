@@ -10,8 +10,10 @@ Run ``python -m ddp.bench`` to compare with ``torch.nn.parallel.DistributedDataP
 """
 
 from .bucket import BucketInfo, assign_buckets, format_bucket_table
-from .distributed import DistributedDataParallel, ReductionStats
-from .naive import all_reduce_gradients, broadcast_module, broadcast_tensors
+from .distributed import DistributedDataParallel
+from .reducer import GradBucket, Reducer, ReductionStats
+from .naive import all_reduce_gradients
+from .sync import broadcast_module, broadcast_tensors
 
 DDP = DistributedDataParallel
 
@@ -19,6 +21,8 @@ __all__ = [
     "DDP",
     "BucketInfo",
     "DistributedDataParallel",
+    "GradBucket",
+    "Reducer",
     "ReductionStats",
     "all_reduce_gradients",
     "assign_buckets",
