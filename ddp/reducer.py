@@ -223,7 +223,7 @@ class _Reduction:
             return
         with trace.label(f"{_hook_name(hook)} bucket {bucket.index}"):
             future = hook(reducer.comm_state, GradBucket(bucket, is_last))
-        if not isinstance(future, torch.futures.Future):
+        if not isinstance(future, torch._C.Future):  # the base of torch.futures.Future, and what .then() returns
             raise TypeError(
                 f"DistributedDataParallel: comm hook {_hook_name(hook)} returned {type(future).__name__} for bucket "
                 f"{bucket.index}; a hook must return a torch.futures.Future whose value is the reduced flat tensor, "
