@@ -40,7 +40,7 @@ from .bucket import BucketInfo
 log = logging.getLogger(__name__)
 
 #: A comm hook: ``hook(state, bucket) -> Future`` whose value is the reduced flat tensor.
-CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]  # quoted: defined below
 
 
 @dataclasses.dataclass
@@ -209,7 +209,7 @@ class _Reduction:
         self.missing = len(bucket.param_indices)
         self.pending: Work | torch.futures.Future | None = None
 
-    def launch(self, reducer: "Reducer", is_last: bool) -> None:
+    def launch(self, reducer: Reducer, is_last: bool) -> None:
         """Start reducing the (complete) bucket: the built-in AVG all-reduce, or the comm hook."""
         bucket = self.bucket
         if bucket.buffer.device.type == "cuda":
@@ -231,7 +231,7 @@ class _Reduction:
             )
         self.pending = future
 
-    def wait(self, reducer: "Reducer") -> None:
+    def wait(self, reducer: Reducer) -> None:
         """Wait for the reduction; afterwards the bucket's buffer holds the reduced gradients."""
         pending, buffer = self.pending, self.bucket.buffer
         assert pending is not None
