@@ -186,7 +186,7 @@ def _error(fn: Callable[[], Any]) -> tuple[str, str]:
     return "none", ""
 
 
-def misuse_case(rank: int, world: int) -> dict[str, tuple[str, str]]:
+def misuse_case(rank: int, world: int) -> dict[str, Any]:
     x = torch.randn(BATCH, 8)
     out = {}
 
@@ -210,6 +210,18 @@ def misuse_case(rank: int, world: int) -> dict[str, tuple[str, str]]:
     model = ddp.DistributedDataParallel(MLP())
     model.register_comm_hook(None, list_future)
     out["future_of_list"] = _error(lambda: model(x).sum().backward())
+
+    def fails_once(calls: list, bucket):
+        calls.append(bucket.index())
+        return None if len(calls) == 1 else comm_hooks.allreduce_hook(None, bucket)
+
+    model = ddp.DistributedDataParallel(MLP(), bucket_cap_mb=CAP_MB)
+    model.register_comm_hook([], fails_once)
+    out["fails_once"] = _error(lambda: model(x).sum().backward())
+    model(x).sum().backward()  # drops the failed pass (nothing in flight), then reduces normally
+    recovered = model.reducer._pass is None and model.last_stats.buckets == 3
+    out["recovered"] = ("ok" if recovered else "stale", "")
+    out["recovered_grads"] = _np(p.grad for p in model.module.parameters())
 
     # the group still works: nothing was left half-paired
     t = torch.ones(2)
@@ -290,4 +302,9 @@ def test_misuse_gives_clear_errors() -> None:
         assert m["one_argument"][0] == "TypeError" and "(state, bucket)" in m["one_argument"][1]
         assert m["returns_tensor"][0] == "TypeError" and "torch.futures.Future" in m["returns_tensor"][1]
         assert m["future_of_list"][0] == "TypeError" and "holds list" in m["future_of_list"][1]
+        assert m["fails_once"][0] == "TypeError" and "returned NoneType" in m["fails_once"][1]
+        assert m["recovered"][0] == "ok"
         assert m["group_ok"][0] == "ok"
+    ranks = results_of(2)
+    for a, b in zip(ranks[0]["misuse"]["recovered_grads"], ranks[1]["misuse"]["recovered_grads"]):
+        assert np.array_equal(a, b)
