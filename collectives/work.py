@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .errors import CollectiveTimeoutError
+from .errors import CollectiveTimeoutError, timeout_seconds
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Work:
         ``timeout`` (seconds or timedelta) bounds this wait only; the collective's own
         communication deadline (the group's timeout) applies regardless.
         """
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        seconds = timeout_seconds(timeout)
         if not self._done.wait(seconds):
             raise CollectiveTimeoutError(f"{self.name}: Work.wait timed out after {seconds}s", op=self.name)
         if self._error is not None:

@@ -28,8 +28,7 @@ def unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def _first_rank(group: Group | None) -> int:
     """Global rank of the first member of ``group`` (the default group's rank 0)."""
-    g = collectives.get_default_group() if group is None else group
-    return g.ranks[0]
+    return collectives.get_group(group).ranks[0]
 
 
 @torch.no_grad()
