@@ -51,7 +51,8 @@ Exactness
 ---------
 The all-reduce is a SUM followed by one division by the world size (``ReduceOp.AVG``), performed
 identically everywhere: the ring algorithm combines every element once, in one order, so the
-averaged gradients are bitwise equal on all ranks and the replicas never drift apart.
+averaged gradients are bitwise equal on all ranks and the replicas never drift apart. A comm
+hook keeps this as long as it only post-processes collective results (``comm_hooks.py``).
 
 Unused parameters
 -----------------
