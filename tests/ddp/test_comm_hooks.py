@@ -74,6 +74,15 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class WithUnused(MLP):
+    """``extra`` takes part in no forward pass (find_unused_parameters: its bucket is completed at
+    the end of backward and reduced through the hook there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(4, 4)
+
+
 def data(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(99)
     return [(torch.randn(world * BATCH, 8, generator=g), torch.randn(world * BATCH, 4, generator=g)) for _ in range(STEPS)]
@@ -91,19 +100,21 @@ def train(model: nn.Module, params: list[torch.Tensor], rank: int, world: int) -
         opt.zero_grad()
         rows = slice(rank * BATCH, (rank + 1) * BATCH)
         F.mse_loss(model(x[rows]), y[rows]).backward()
-        biggest = max([biggest] + [float(p.grad.abs().max()) for p in params])
+        biggest = max([biggest] + [float(p.grad.abs().max()) for p in params if p.grad is not None])
         opt.step()
     return _np(params), biggest
 
 
-def hook_case(name: str, rank: int, world: int) -> dict[str, Any]:
+def hook_case(name: str, rank: int, world: int, unused: bool = False) -> dict[str, Any]:
     ours_hook, torch_hook = HOOKS[name]
     torch.manual_seed(rank)  # different on every rank: both wrappers broadcast rank 0's model
-    base = MLP()
+    base = WithUnused() if unused else MLP()
     group = collectives.get_default_group()
-    ours = ddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
+    ours = ddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_MB, find_unused_parameters=unused)
     ours.register_comm_hook(None, ours_hook)
-    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group.process_group)
+    theirs = torch.nn.parallel.DistributedDataParallel(
+        copy.deepcopy(base), process_group=group.process_group, find_unused_parameters=unused
+    )
     theirs.register_comm_hook(group.process_group, torch_hook)
     ours_final, g_ours = train(ours, list(ours.module.parameters()), rank, world)
     torch_final, g_torch = train(theirs, list(theirs.module.parameters()), rank, world)
@@ -236,6 +247,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     results: dict[str, Any] = {name: hook_case(name, rank, world) for name in HOOKS}
     if world == 2:
+        results["fp16-unused"] = hook_case("fp16", rank, world, unused=True)
         results["user"] = user_hooks_case(rank, world)
         results["misuse"] = misuse_case(rank, world)
     return results
@@ -273,6 +285,14 @@ def test_hook_matches_torch_ddp_with_the_same_hook(world: int, hook: str) -> Non
     if hook in ("fp16", "bf16"):  # compression did happen: the result is not the float32 one
         exact = results_of(world)[0]["allreduce"]["ours"]
         assert any(not np.array_equal(a, b) for a, b in zip(ours0, exact))
+
+
+@pytest.mark.timeout(300)
+def test_hook_reduces_buckets_completed_for_unused_parameters() -> None:
+    per_rank = [r["fp16-unused"] for r in results_of(2)]
+    for res in per_rank:
+        for i, (a, b) in enumerate(zip(res["ours"], per_rank[0]["torch"])):
+            assert np.array_equal(a, b), f"parameter {i}: differs from torch DDP (find_unused_parameters, fp16 hook)"
 
 
 @pytest.mark.timeout(300)
