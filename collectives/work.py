@@ -73,9 +73,9 @@ class Work:
         Its value is :meth:`result` (so ``fut.value()[0]`` is the reduced tensor of an
         all-reduce); a failure is set as the future's exception, so ``fut.wait()`` raises the
         collective's own error (a ``.then`` callback sees it wrapped in a ``RuntimeError``, as
-        torch does). Callbacks added with ``then`` run on the thread that completes the work, usually
-        the group's communication thread: keep them short, and never start a collective in one
-        (see ``ddp/comm_hooks.py``). Every call returns the same future.
+        torch does). Callbacks added with ``then`` run on the thread that completes the work,
+        usually the group's communication thread: keep them short, and never start a collective
+        in one (see ``ddp/comm_hooks.py``). Every call returns the same future.
         """
         with self._lock:
             if self._future is not None:
