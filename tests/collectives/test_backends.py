@@ -94,6 +94,9 @@ def test_registry_errors():
     with pytest.raises(ValueError, match="invalid backend name"):
         collectives.register_backend("my:backend", "cpu", make_transport=make)
     assert "mine" not in backends.backend_names()
+    # the same definition registered again (a script imported as __main__ and by name) is no error
+    record = backends.get_backend("counting")
+    collectives.register_backend("counting", "cpu", make_transport=record.make_transport, description=record.description)
     with pytest.raises(ValueError, match=r"the nccl-cupy backend moves cuda tensors only, got a cpu tensor"):
         backends.select_backend("nccl-cupy", "cpu", None, "all_reduce")
     with pytest.raises(ValueError, match="all_reduce: no backend moves meta tensors"):
