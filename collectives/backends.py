@@ -67,9 +67,14 @@ class Backend:
 
     def build(self, group: Group, device: torch.device) -> Engine:
         """The engine of ``group`` on ``device``."""
-        if self.make_engine is not None:
-            return self.make_engine(group, device)
-        return AlgorithmEngine(self.make_transport(group, device), group.tuning, device)
+        if self.make_transport is not None:
+            return AlgorithmEngine(self.make_transport(group, device), group.tuning, device)
+        engine = self.make_engine(group, device)
+        if not isinstance(engine, Engine):
+            raise TypeError(
+                f"backend {self.name}: make_engine returned {type(engine).__name__}, which lacks Engine methods"
+            )
+        return engine
 
     def metadata(self) -> str:
         """The backend that carries this one's small CPU metadata."""
@@ -207,16 +212,18 @@ def get_backend(name: str) -> Backend:
     return _registry[key]
 
 
-def select_backend(name: str, device_type: str, group: Group, op_name: str = "select_backend") -> Backend:
+def select_backend(name: str, device_type: str, group: Group | None, op_name: str = "select_backend") -> Backend:
     """The backend that runs ``group``'s collectives on ``device_type`` tensors.
 
     ``name`` is a canonical name (from :func:`resolve_backend`); ``auto`` picks the usable
-    candidate of highest priority. Raises ``ValueError`` if the backend cannot move such tensors.
+    candidate of highest priority (``usable`` predicates are skipped when ``group`` is None).
+    Raises ``ValueError`` if the backend cannot move such tensors.
     """
     if name == AUTO:
         candidates = [
             b for b in _registry.values()
-            if b.auto_priority is not None and device_type in b.device_types and (b.usable is None or b.usable(group))
+            if b.auto_priority is not None and device_type in b.device_types
+            and (b.usable is None or group is None or b.usable(group))
         ]
         if not candidates:
             raise ValueError(f"{op_name}: no backend moves {device_type} tensors (registered: {describe_backends()})")
