@@ -142,7 +142,7 @@ def test_cleanup_after_failure_and_stale_sweep():
     assert "rdh999999999x0-h0" in sweep()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_bench_between_hosts_with_a_shaped_link(tmp_path, capsys):
     from collectives import bench
 
