@@ -145,9 +145,14 @@ def test_cleanup_after_failure_and_stale_sweep():
 @pytest.mark.timeout(300)
 def test_bench_between_hosts_with_a_shaped_link(tmp_path, capsys):
     from collectives import bench
+    from collectives.testing.hosts import link_unavailable
 
+    tbf = "rate 1gbit burst 256kb latency 50ms"
+    reason = link_unavailable(f"tbf {tbf}")
+    if reason:
+        pytest.skip(reason)
     out = tmp_path / "bench.json"
-    argv = ["--hosts", "2", "--world-sizes", "4", "--tbf", "rate 1gbit burst 256kb latency 50ms", "--model",
+    argv = ["--hosts", "2", "--world-sizes", "4", "--tbf", tbf, "--model",
             "--ops", "all_reduce,broadcast,all_gather,reduce_scatter", "--min-bytes", "64K", "--max-bytes", "64K",
             "--small-bytes", "16K", "--iters", "2", "--json", str(out)]
     assert bench.main(argv) == 0
