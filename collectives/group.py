@@ -38,11 +38,17 @@ _CPU = torch.device("cpu")
 
 
 def host_key() -> str:
-    """``hostname/boot id/device of /dev/shm``: equal exactly for processes that can share memory."""
+    """``hostname/boot id/network namespace/device of /dev/shm``: equal exactly for processes that
+    can share memory *and* reach each other without a network. The network namespace counts so
+    that emulated hosts (namespaces of one machine, :mod:`collectives.testing.hosts`) are hosts."""
     parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             parts.append(f.read().strip())
+    except OSError:
+        parts.append("-")
+    try:
+        parts.append(f"net{os.stat('/proc/self/ns/net').st_ino}")
     except OSError:
         parts.append("-")
     try:
@@ -132,7 +138,7 @@ class Group:
             log.debug("group %s: %s engine on %s", self.name, backend.name, device)
         return engine
 
-    def engine(self, device: torch.device, op_name: str) -> Engine:
+    def engine(self, device: torch.device, op_name: str = "engine") -> Engine:
         """The engine that runs collectives on tensors of ``device`` (built on first use).
 
         Raises ``ValueError`` (before any traffic) if the backend cannot move such tensors.
@@ -172,7 +178,9 @@ class Group:
         :class:`Work`'s future.
         """
         if self._broken is not None:
-            raise CollectiveError(f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name)
+            raise CollectiveError(
+                f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name
+            )
         label = trace.current_label()  # read on the submitting thread
 
         def run() -> None:
