@@ -176,12 +176,13 @@ def test_rank_killed_or_stopped_mid_collective(tmp_path, sig):
     for rank, seconds, kind, op, peer in found:
         assert float(seconds) < 4.0 + 3.0, found  # within the 4 s timeout (plus scheduling slack)
         assert op in ("all_reduce", "broadcast"), found
-        if sig == "SIGKILL":
-            assert kind == "CollectiveError", found
-        else:
-            assert kind == "CollectiveTimeoutError" and peer == "1", found
-    if sig == "SIGKILL":
-        assert any(peer == "1" for *_, peer in found), found  # someone names the dead rank
+        assert kind in ("CollectiveError", "CollectiveTimeoutError"), found
+    # someone names rank 1: dead (EOF on its socket) or stopped (the deadline); a survivor may
+    # instead see the other survivor leave after its own error
+    named = [kind for *_, kind, _op, peer in found if peer == "1"]
+    assert named, found
+    if sig == "SIGSTOP":
+        assert "CollectiveTimeoutError" in named, found
     assert elapsed < 90, elapsed
     pids = [int(p.name) for p in piddir.iterdir()]
     assert len(pids) == 3
@@ -296,3 +297,15 @@ def mismatched_sizes(rank: int, world_size: int, numel: int) -> tuple[str, str |
 def test_mismatched_calls_raise_instead_of_a_silent_answer(numel):
     results = collectives.launch(mismatched_sizes, 2, numel, backend="shm", timeout=5.0, join_timeout=60)
     assert results == [("error", "all_reduce")] * 2, results
+
+
+@pytest.mark.timeout(180)
+def test_bench_shows_shm_and_memcpy_rows(capsys):
+    from collectives import bench
+
+    code = bench.main(["--shm", "--ops", "all_reduce,all_gather", "--world-sizes", "2", "--min-bytes", "64K",
+                       "--max-bytes", "64K", "--iters", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "shm us" in out and "memcpy us" in out, out
+    assert len([line for line in out.splitlines() if line.startswith(("all_reduce", "all_gather"))]) == 2, out
