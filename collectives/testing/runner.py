@@ -47,6 +47,8 @@ def property_test(
     ``timeout`` bounds every wait inside the ranks (seconds). Returns the number of examples run.
     """
     names = (collectives,) if isinstance(collectives, str) else tuple(collectives)
+    if impl is not None:
+        filters.setdefault("algorithms", ["auto"])  # our algorithm choice means nothing to impl
     started: dict[int, WorkerPool] = {}
 
     def get(n: int) -> WorkerPool:
