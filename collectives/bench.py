@@ -62,7 +62,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper().rstrip("B")
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
@@ -308,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-bytes", default="4K")
     p.add_argument("--max-bytes", default="64M")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size, 10-40)")
-    p.add_argument("--segment-bytes", type=_parse_size, default=None,
+    p.add_argument("--segment-bytes", type=parse_size, default=None,
                    help="ring/chain pipelining segment (default: the group's tuning)")
-    p.add_argument("--small-bytes", type=_parse_size, default=None,
+    p.add_argument("--small-bytes", type=parse_size, default=None,
                    help="largest message for the latency-optimal algorithms (default: the group's tuning)")
-    p.add_argument("--chain-bytes", type=_parse_size, default=None,
+    p.add_argument("--chain-bytes", type=parse_size, default=None,
                    help="largest broadcast for the binomial tree; larger ones use the chain (default: the group's tuning)")
     p.add_argument("--depth", type=int, default=None,
                    help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
@@ -329,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     if device_type_of(args.backend) == "cuda" and not torch.cuda.is_available():
         p.error(f"--backend {args.backend} needs CUDA: a CUDA build of torch, a visible GPU (and for nccl-cupy "
                 "CuPy: pip install 'ringddp[cuda]'); this torch sees no GPU")
-    sizes, s = [], _parse_size(args.min_bytes)
-    while s <= _parse_size(args.max_bytes):
+    sizes, s = [], parse_size(args.min_bytes)
+    while s <= parse_size(args.max_bytes):
         sizes.append(s)
         s *= 2
     tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),

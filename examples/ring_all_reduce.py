@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 
-def _combine(op: dist.ReduceOp, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def combine(op: dist.ReduceOp, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.bool:  # torch: SUM/MAX are OR, PRODUCT/MIN are AND on bools
         return a | b if op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX) else a & b
     if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -45,7 +45,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
 
     for step in range(n - 1):  # reduce-scatter
         send_index, recv_index = (rank - step) % n, (rank - step - 1) % n
-        chunks[recv_index].copy_(_combine(op, exchange(send_index, recv_index), chunks[recv_index]))
+        chunks[recv_index].copy_(combine(op, exchange(send_index, recv_index), chunks[recv_index]))
     for step in range(n - 1):  # all-gather
         send_index, recv_index = (rank + 1 - step) % n, (rank - step) % n
         chunks[recv_index].copy_(exchange(send_index, recv_index))

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as fixed_seed
 
+from ..bench import parse_size
 from .checks import Counterexample, assert_matches_reference
 from .pool import WorkerPool
 from .strategies import COLLECTIVES, DEFAULT_MAX_BYTES, LAYOUTS, cases
@@ -92,12 +93,6 @@ def load(target: str) -> Callable[..., Any] | None:
     return obj
 
 
-def _parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
-
-
 def _csv(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
@@ -112,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", help="comma list of sum,product,min,max,avg (default all)")
     p.add_argument("--dtypes", help="comma list like float32,int64,bool (default all supported)")
     p.add_argument("--examples", type=int, default=100)
-    p.add_argument("--min-bytes", type=_parse_size, default=0)
-    p.add_argument("--max-bytes", type=_parse_size, default=DEFAULT_MAX_BYTES,
+    p.add_argument("--min-bytes", type=parse_size, default=0)
+    p.add_argument("--max-bytes", type=parse_size, default=DEFAULT_MAX_BYTES,
                    help=f"largest tensor per rank, e.g. 8M (default {DEFAULT_MAX_BYTES})")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {','.join(LAYOUTS)}")
     p.add_argument("--roots", help="comma list of allowed roots (default all ranks)")

@@ -6,6 +6,7 @@ counterexample that names it. Positive controls: the student-style examples in `
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -13,10 +14,12 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
 
-from collectives.testing import Counterexample, property_test
+from collectives import ReduceOp
+from collectives.testing import Counterexample, cases, property_test
 from examples.broadcast import broadcast
-from examples.ring_all_reduce import ring_all_reduce
+from examples.ring_all_reduce import combine, ring_all_reduce
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,7 +30,7 @@ def dropped_rank(tensor, op=dist.ReduceOp.SUM, group=None):
     dist.all_gather(parts, tensor.contiguous(), group=group)
     result = parts[0].clone()
     for p in parts[1:-1]:
-        result = ring_all_reduce.__globals__["_combine"](op, result, p)
+        result = combine(op, result, p)
     tensor.copy_(result)
 
 
@@ -124,3 +127,30 @@ def test_command_line_passes_and_fails():
     assert "Counterexample: all_reduce, world size 2, int32" in bad.stdout and "op MAX" in bad.stdout, bad.stdout
     usage = _cli("no_such_module:f")
     assert usage.returncode == 2 and "no_such_module" in usage.stderr
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=cases([2, 3], ["all_reduce", "reduce_scatter", "broadcast", "all_to_all", "all_to_all_single"],
+                  ops=["max", "avg"], dtypes=["float16", "int32"], min_bytes=8, max_bytes=512,
+                  layouts=["strided"], roots=[1, 5], uneven=True))
+def test_cases_respect_every_filter(case):
+    assert case.world_size in (2, 3) and case.layout == "strided"
+    assert case.dtype in (torch.float16, torch.int32)
+    assert 8 <= math.prod(case.shape) * case.dtype.itemsize <= 512
+    if case.collective in ("all_reduce", "reduce_scatter"):
+        assert case.op in (ReduceOp.MAX, ReduceOp.AVG)
+        assert case.op is not ReduceOp.AVG or case.dtype == torch.float16  # AVG needs a floating dtype
+    if case.collective == "broadcast":
+        assert case.root == 1
+    if case.collective.startswith("all_to_all"):
+        assert case.splits is not None and len(case.splits) == case.world_size
+        assert all(len(row) == case.world_size for row in case.splits)
+
+
+def test_cases_reject_impossible_filters():
+    with pytest.raises(ValueError, match="AVG needs a floating dtype"):
+        cases(2, ["all_reduce"], ops=["avg"], dtypes=["int32"])
+    with pytest.raises(ValueError, match="unknown collectives"):
+        cases(2, ["allreduce"])
+    with pytest.raises(ValueError, match="no root"):
+        cases(2, ["broadcast"], roots=[7])
