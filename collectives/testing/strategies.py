@@ -233,12 +233,10 @@ def values(case: Case, rank: int, shape: tuple[int, ...], salt: int = 0) -> torc
         pick = torch.randint(0, 4, (n,), generator=g)
         table = torch.tensor([1.0, -1.0, 2.0, 0.5] if case.dtype.is_floating_point else [1, -1, 2, 3])
         flat = table[pick].to(case.dtype) if case.dtype != torch.uint8 else table[pick].abs().to(case.dtype)
-    else:
-        low = 0 if case.dtype == torch.uint8 else -8
-        flat = torch.randint(low, 9, (n,), generator=g)
-        scale = _SCALE.get(case.dtype)
-        flat = (flat.to(torch.float64) * scale if case.dtype.is_floating_point else flat * scale) if scale else flat
-        flat = flat.to(case.dtype)
+    else:  # drawn straight in the dtype and scaled in place: cheap for multi-MB tensors
+        flat = torch.randint(0 if case.dtype == torch.uint8 else -8, 9, (n,), generator=g, dtype=case.dtype)
+        if case.dtype in _SCALE:
+            flat.mul_(_SCALE[case.dtype])  # exact: k * scale fits the dtype's significand
     return flat.reshape(shape)
 
 
