@@ -1,10 +1,10 @@
 """Soak: many random collectives in a row on one group of 4 ranks, checked against torch's.
 
 Each case is drawn from ``collectives.testing.cases`` (every collective, dtype, reduce op, root,
-algorithm, memory layout and all-to-all split, sizes up to 512 KiB) and run on our collectives
+algorithm, memory layout and all-to-all split, sizes up to 256 KiB) and run on our collectives
 and on torch's built-in ones; every rank's tensors must hold the hand-computed expectation and
 all-reduce results must be bitwise identical on every rank. The group's tuning is shrunk for the
-soak (16 KiB segments, ring above 32 KiB), so the ring and chain algorithms run pipelined over up
+soak (8 KiB segments, ring above 16 KiB), so the ring and chain algorithms run pipelined over up
 to 32 segments — the test asserts that some cases did. Then the same cases run again, and the
 ranks' open file descriptors and resident memory must not grow during that second pass: a leak
 per collective would show up as growth.
@@ -29,7 +29,7 @@ from tests.collectives.test_pipelining import set_tuning
 
 WORLD_SIZE = 4
 CASES = int(os.environ.get("RINGDDP_SOAK_CASES", "200"))
-SEGMENT = 16 << 10
+SEGMENT = 8 << 10
 MAX_BYTES = 32 * SEGMENT
 
 
