@@ -90,7 +90,9 @@ def inputs_of(case: Case, rank: int) -> Tensors:
     return {s.name: values(case, rank, s.shape, s.salt) for s in slots(case, rank) if s.salt is not None}
 
 
-def _execute(case: Case, rank: int, fn: Callable[..., Any], group: Any, **extra: Any) -> tuple[Tensors, dict[str, list[int]]]:
+def _execute(case: Case, rank: int, fn: Callable[..., Any], group: Any, **extra: Any) -> tuple[Tensors, dict[str, tuple[list[int], list]]]:
+    """Run ``fn`` on this rank's tensors for ``case``; returns copies of them after the call and,
+    per tensor written outside its view, the element indices of its allocation and their values."""
     tensors: Tensors = {}
     bases = []
     for s in slots(case, rank):
@@ -99,7 +101,8 @@ def _execute(case: Case, rank: int, fn: Callable[..., Any], group: Any, **extra:
         tensors[s.name] = view
         bases.append((s.name, view, base))
     call(case, rank, fn, tensors, group, **extra)
-    outside = {name: idx[:8] for name, view, base in bases if (idx := written_outside(view, base))}
+    outside = {name: (idx[:8], base.reshape(-1)[idx[:8]].tolist())
+               for name, view, base in bases if (idx := written_outside(view, base))}
     return {k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, outside
 
 
@@ -167,12 +170,12 @@ def _in_place_results(case: Case, rank: int) -> set[str]:
 
 
 def _problems(case: Case, got: list[Tensors], want: list[dict[str, torch.Tensor | None]],
-              outside: list[dict[str, list[int]]] | None) -> list[tuple[int, str, str]]:
+              outside: list[dict[str, tuple[list[int], list]]] | None) -> list[tuple[int, str, str]]:
     """(rank, slot, description) for every check that fails."""
     found: list[tuple[int, str, str]] = []
     for r, written in enumerate(outside or []):
-        for name, idx in written.items():
-            found.append((r, name, f"{name}: wrote outside the tensor's view (elements {idx} of its allocation)"))
+        for name, (idx, now) in written.items():
+            found.append((r, name, f"{name}: wrote outside the tensor's view (elements {idx} of its allocation now hold {now})"))
     if case.collective == "all_reduce":
         first = got[0]["tensor"]
         for r in range(1, len(got)):
@@ -202,11 +205,12 @@ def describe_failure(case: Case, problems: list[tuple[int, str, str]], got: list
     if got is not None and want is not None:
         shown = []
         for r, name, _ in problems:
-            if (r, name) in shown or len(shown) >= 4 or name not in got[r]:
+            w = want[r].get(name)
+            if (r, name) in shown or len(shown) >= 4 or name not in got[r] or (w is not None and bitwise_equal(got[r][name], w)):
                 continue
             shown.append((r, name))
             lines.append(f"rank {r} {name}:")
-            lines.append(f"  expected = {_show(want[r].get(name))}")
+            lines.append(f"  expected = {_show(w)}")
             lines.append(f"  got      = {_show(got[r][name])}")
     return "\n".join(lines)
 

@@ -72,7 +72,7 @@ def writes_nothing(output, input, op=dist.ReduceOp.SUM, group=None):
 
 
 BROKEN = {
-    # impl: (filters that keep shrinking quick, text the counterexample must contain)
+    # name: (impl, filters that keep shrinking quick, text the counterexample must contain)
     "dropped_rank": (dropped_rank, {}, "elements differ"),
     "ignored_op": (ignored_op, {"ops": ["max", "min", "product"]}, "elements differ"),
     "writes_outside": (writes_outside, {"layouts": ["offset", "strided"]}, "wrote outside the tensor's view"),
@@ -91,7 +91,8 @@ def test_kit_catches_a_broken_all_reduce(pools, name):
     assert symptom in text, text
     for rank in range(3):  # the counterexample shows every rank's inputs, and expected vs got
         assert f"rank {rank} tensor = " in text, text
-    assert "expected = " in text and "got      = " in text, text
+    if name != "writes_outside":  # the view itself holds the right values there
+        assert "expected = " in text and "got      = " in text, text
 
 
 @pytest.mark.timeout(300)
