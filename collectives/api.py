@@ -22,11 +22,11 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from . import debug, trace
+from . import debug, trace, validate
 from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from .errors import CollectiveError
 from .group import Group, _resolve, mark_broken
-from .ops import SUPPORTED_DTYPES, ReduceOp, check_dtype, check_op_dtype
+from .ops import SUPPORTED_DTYPES, ReduceOp, check_op_dtype
 from .work import Work
 
 log = logging.getLogger(__name__)
@@ -35,12 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def _check_tensor(t: object, op_name: str, what: str = "tensor") -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op_name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    check_dtype(t.dtype, op_name)
-    if t.is_sparse:
-        raise TypeError(f"{op_name}: {what} is sparse; only dense tensors are supported")
-    return t
+    return validate.tensor(t, op_name, what)
 
 
 def _check_list(ts: object, op_name: str, what: str, length: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -112,7 +107,8 @@ def _submit(g: Group, op_name: str, fn: Callable[[], None], async_op: bool, sign
         try:
             if debug.enabled():
                 debug.check_agreement(g, signature)
-            fn()
+            with torch.no_grad():  # like torch's collectives: not recorded by autograd
+                fn()
         except CollectiveError as exc:
             mark_broken(g, exc)
             raise
@@ -155,6 +151,7 @@ def all_reduce(
     check_op_dtype(op, tensor.dtype, name)
     _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
     _check_async(async_op, name)
+    validate.aliasing(name, [("tensor", tensor)])
     engine = _engine(g, tensor, name)
 
     def run() -> None:
@@ -179,6 +176,7 @@ def broadcast(
     root = g.group_rank(src, "src", name)
     _check_algorithm(algorithm, BROADCAST_ALGORITHMS, name)
     _check_async(async_op, name)
+    validate.aliasing(name, [("tensor", tensor)])  # written on every rank but the root: same check on all
     engine = _engine(g, tensor, name)
 
     def run() -> None:
@@ -208,6 +206,7 @@ def reduce(
     root = g.group_rank(dst, "dst", name)
     _check_algorithm(algorithm, REDUCE_ALGORITHMS, name)
     _check_async(async_op, name)
+    validate.aliasing(name, [("tensor", tensor)])
     engine = _engine(g, tensor, name)
 
     def run() -> None:
@@ -232,6 +231,7 @@ def all_gather(
     _check_tensor(tensor, name)
     outs = _check_list(tensor_list, name, "tensor_list", g.size, tensor)
     _check_async(async_op, name)
+    validate.aliasing(name, [(f"tensor_list[{i}]", t) for i, t in enumerate(outs)])  # gathers via scratch
     engine = _engine(g, tensor, name)
 
     def run() -> None:
@@ -260,10 +260,13 @@ def all_gather_into_tensor(
             f"{g.size} x input {input_tensor.numel()} = {g.size * input_tensor.numel()}"
         )
     _check_async(async_op, name)
+    in_place = validate.is_chunk(output_tensor, input_tensor, g.rank)
+    stage = validate.aliasing(name, [("output_tensor", output_tensor)], [] if in_place else [("input_tensor", input_tensor)])
     engine = _engine(g, input_tensor, name)
 
     def run() -> None:
-        with _flat(output_tensor) as out, _flat(input_tensor, write_back=False) as inp, engine.transport_op(name):
+        (src,) = validate.staged([input_tensor], stage) if stage else (input_tensor,)
+        with _flat(output_tensor) as out, _flat(src, write_back=False) as inp, engine.transport_op(name):
             engine.all_gather(out, inp)
 
     return _submit(g, name, run, async_op, debug.signature(name, input_tensor))
@@ -283,6 +286,7 @@ def reduce_scatter(
     check_op_dtype(op, output.dtype, name)
     ins = _check_list(input_list, name, "input_list", g.size, output)
     _check_async(async_op, name)
+    validate.aliasing(name, [("output", output)])  # the inputs are concatenated into a fresh tensor
     engine = _engine(g, output, name)
 
     def run() -> None:
@@ -313,10 +317,13 @@ def reduce_scatter_tensor(
             f"{output.numel()} = {g.size * output.numel()}"
         )
     _check_async(async_op, name)
+    in_place = validate.is_chunk(input, output, g.rank)
+    stage = validate.aliasing(name, [("output", output)], [] if in_place else [("input", input)])
     engine = _engine(g, output, name)
 
     def run() -> None:
-        with _flat(output) as out, _flat(input, write_back=False) as inp, engine.transport_op(name):
+        (src,) = validate.staged([input], stage) if stage else (input,)
+        with _flat(output) as out, _flat(src, write_back=False) as inp, engine.transport_op(name):
             engine.reduce_scatter(out, inp, op)
 
     return _submit(g, name, run, async_op, debug.signature(name, output, op))
@@ -343,12 +350,14 @@ def scatter(
             raise ValueError(f"{name}: only the source rank {src} passes scatter_list")
         pieces = None
     _check_async(async_op, name)
+    stage = validate.aliasing(name, [("tensor", tensor)], [(f"scatter_list[{i}]", t) for i, t in enumerate(pieces or ())])
     engine = _engine(g, tensor, name)
 
     def run() -> None:
         with contextlib.ExitStack() as stack:
             out = stack.enter_context(_flat(tensor))
-            flat_pieces = stack.enter_context(_flats(pieces, write_back=False)) if pieces is not None else None
+            srcs = validate.staged(pieces, stage) if pieces is not None else None
+            flat_pieces = stack.enter_context(_flats(srcs, write_back=False)) if srcs is not None else None
             stack.enter_context(engine.transport_op(name))
             engine.scatter(out, flat_pieces, root)
 
@@ -376,11 +385,13 @@ def gather(
             raise ValueError(f"{name}: only the destination rank {dst} passes gather_list")
         outs = None
     _check_async(async_op, name)
+    stage = validate.aliasing(name, [(f"gather_list[{i}]", t) for i, t in enumerate(outs or ())], [("tensor", tensor)])
     engine = _engine(g, tensor, name)
 
     def run() -> None:
         with contextlib.ExitStack() as stack:
-            inp = stack.enter_context(_flat(tensor, write_back=False))
+            (src,) = validate.staged([tensor], stage)
+            inp = stack.enter_context(_flat(src, write_back=False))
             flat_outs = stack.enter_context(_flats(outs, write_back=True)) if outs is not None else None
             stack.enter_context(engine.transport_op(name))
             engine.gather(inp, flat_outs, root)
@@ -415,9 +426,12 @@ def all_to_all(
     _check_async(async_op, name)
     engine = _engine(g, like, name)
     outs, ins = list(output_tensor_list), list(input_tensor_list)
+    stage = validate.aliasing(
+        name, [(f"output_tensor_list[{i}]", t) for i, t in enumerate(outs)], [(f"input_tensor_list[{i}]", t) for i, t in enumerate(ins)]
+    )
 
     def run() -> None:
-        with _flats(outs, write_back=True) as flat_outs, _flats(ins, write_back=False) as flat_ins:
+        with _flats(outs, write_back=True) as flat_outs, _flats(validate.staged(ins, stage), write_back=False) as flat_ins:
             with engine.transport_op(name):
                 engine.all_to_all(flat_outs, flat_ins)
 
@@ -446,10 +460,12 @@ def all_to_all_single(
     out_splits = _splits(output, output_split_sizes, g.size, name, "output")
     _check_async(async_op, name)
     row = input[0].numel() if input.shape[0] else int(torch.Size(input.shape[1:]).numel())
+    stage = validate.aliasing(name, [("output", output)], [("input", input)])
     engine = _engine(g, input, name)
 
     def run() -> None:
-        with _flat(output) as out, _flat(input, write_back=False) as inp:
+        (src,) = validate.staged([input], stage)  # all_to_all_single(t, t) is exact: t is copied first
+        with _flat(output) as out, _flat(src, write_back=False) as inp:
             outs = list(out.split([s * row for s in out_splits]))
             ins = list(inp.split([s * row for s in in_splits]))
             with engine.transport_op(name):
