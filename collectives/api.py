@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from . import debug, trace, validate
+from . import debug, trace, validate, wire
 from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from .errors import CollectiveError
 from .group import Group, _resolve, mark_broken
@@ -95,11 +95,23 @@ def _flats(ts: Sequence[torch.Tensor], write_back: bool) -> Iterator[list[torch.
 _ITEMSIZE = {str(d): d.itemsize for d in SUPPORTED_DTYPES}
 
 
-def _submit(g: Group, op_name: str, fn: Callable[[], None], async_op: bool, signature: debug.Signature) -> Work | None:
-    """Run ``fn`` on the group's queue; turn communication failures into a broken group."""
+def _submit(
+    g: Group,
+    op_name: str,
+    fn: Callable[[], None],
+    async_op: bool,
+    signature: debug.Signature,
+    algorithm: str = "-",
+    sizes: tuple[list[int], list[int]] | None = None,
+) -> Work | None:
+    """Run ``fn`` on the group's queue; turn communication failures into a broken group.
+
+    ``algorithm`` and ``sizes`` (all-to-all: bytes to / from each rank) go into the wire check's header.
+    """
     if g.broken is not None:
         raise CollectiveError(f"{op_name}: group {g.name} is unusable after an earlier failure: {g.broken}", op=op_name)
     label = trace.current_label()  # read on the submitting thread
+    header = wire.header(signature, g.tuning, algorithm, sizes)
 
     def run() -> None:
         tracer = trace.active()
@@ -107,7 +119,7 @@ def _submit(g: Group, op_name: str, fn: Callable[[], None], async_op: bool, sign
         try:
             if debug.enabled():
                 debug.check_agreement(g, signature)
-            with torch.no_grad():  # like torch's collectives: not recorded by autograd
+            with torch.no_grad(), wire.expect(header):  # no_grad: like torch's, not recorded by autograd
                 fn()
         except CollectiveError as exc:
             mark_broken(g, exc)
@@ -158,7 +170,7 @@ def all_reduce(
         with _flat(tensor) as buf, engine.transport_op(name):
             engine.all_reduce(buf, op, algorithm)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, op))
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, op), algorithm)
 
 
 def broadcast(
@@ -183,7 +195,7 @@ def broadcast(
         with _flat(tensor, write_back=g.rank != root) as buf, engine.transport_op(name):
             engine.broadcast(buf, root, algorithm)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, root=root))
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, root=root), algorithm)
 
 
 def reduce(
@@ -219,7 +231,7 @@ def reduce(
             with engine.transport_op(name):
                 engine.reduce(buf, root, op, algorithm)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, op, root=root))
+    return _submit(g, name, run, async_op, debug.signature(name, tensor, op, root=root), algorithm)
 
 
 def all_gather(
@@ -435,7 +447,8 @@ def all_to_all(
             with engine.transport_op(name):
                 engine.all_to_all(flat_outs, flat_ins)
 
-    return _submit(g, name, run, async_op, debug.signature(name, like))
+    sizes = ([t.numel() * t.element_size() for t in ins], [t.numel() * t.element_size() for t in outs])
+    return _submit(g, name, run, async_op, debug.signature(name, like), sizes=sizes)
 
 
 def all_to_all_single(
@@ -458,6 +471,11 @@ def all_to_all_single(
         raise ValueError(f"{name}: input and output differ beyond dim 0: {tuple(input.shape)} vs {tuple(output.shape)}")
     in_splits = _splits(input, input_split_sizes, g.size, name, "input")
     out_splits = _splits(output, output_split_sizes, g.size, name, "output")
+    if out_splits[g.rank] != in_splits[g.rank]:
+        raise ValueError(
+            f"{name}: this rank ({g.rank}) keeps {in_splits[g.rank]} rows of its input but expects "
+            f"{out_splits[g.rank]} rows from itself; output_split_sizes[{g.rank}] must equal input_split_sizes[{g.rank}]"
+        )
     _check_async(async_op, name)
     row = input[0].numel() if input.shape[0] else int(torch.Size(input.shape[1:]).numel())
     stage = validate.aliasing(name, [("output", output)], [("input", input)])
@@ -471,7 +489,9 @@ def all_to_all_single(
             with engine.transport_op(name):
                 engine.all_to_all(outs, ins)
 
-    return _submit(g, name, run, async_op, debug.signature(name, input))
+    row_bytes = row * input.element_size()
+    sizes = ([s * row_bytes for s in in_splits], [s * row_bytes for s in out_splits])
+    return _submit(g, name, run, async_op, debug.signature(name, input), sizes=sizes)
 
 
 def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, op_name: str, what: str) -> list[int]:

@@ -20,13 +20,18 @@ link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are 
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
+``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (no wire check,
+:mod:`collectives.wire`), interleaved with the others, and the column ``check`` = ours / off - 1:
+what the always-on check costs at the level the benchmark runs under (``RINGDDP_DEBUG``, default CHECK).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -173,8 +178,22 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
     return 2, timed
 
 
+@contextlib.contextmanager
+def _checks_off():
+    """Run ours with ``RINGDDP_DEBUG=OFF`` inside the block (the level is read per call)."""
+    previous = os.environ.get("RINGDDP_DEBUG")
+    os.environ["RINGDDP_DEBUG"] = "OFF"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["RINGDDP_DEBUG"]
+        else:
+            os.environ["RINGDDP_DEBUG"] = previous
+
+
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
-               tuning: dict[str, int], backend: str = "p2p") -> list[dict]:
+               tuning: dict[str, int], backend: str = "p2p", check_cost: bool = False) -> list[dict]:
     """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`."""
     torch.set_num_threads(1)
     ours = get_default_group()
@@ -188,8 +207,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
             for nbytes in sizes:
                 case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device)
                 warm, timed = _iterations(nbytes, iters)
-                times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
-                cpu: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
+                times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": [], "off": []}
+                cpu: dict[str, list[float]] = {"ours": [], "torch": [], "wire": [], "off": []}
                 case.prepare()
                 case.run("torch", reference)
                 expected = case.result()
@@ -203,30 +222,34 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         "torch": _timed(case.prepare, lambda: case.run("torch", reference), sync),
                         "wire": _timed(case.prepare, lambda: case.wire(engine), sync) if has_wire else (nan, nan),
                     }
+                    if check_cost:
+                        with _checks_off():
+                            measured["off"] = _timed(case.prepare, lambda: case.run("ours", None), sync)
                     if i >= warm:
                         for k, (wall, used) in measured.items():
                             times[k].append(wall)
                             cpu[k].append(used)
-                variants = ("ours", "torch", "wire")
-                med = torch.tensor([statistics.median(times[k]) for k in variants] + [wrong], dtype=torch.float64)
+                variants = ("ours", "torch", "wire", "off")
+                med = torch.tensor([statistics.median(times[k] or [nan]) for k in variants] + [wrong], dtype=torch.float64)
                 tdist.all_reduce(med, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
-                cpu_med = torch.tensor([statistics.median(cpu[k]) for k in variants], dtype=torch.float64)
+                cpu_med = torch.tensor([statistics.median(cpu[k] or [nan]) for k in variants], dtype=torch.float64)
                 tdist.all_reduce(cpu_med)  # CPU per call: the mean over ranks
                 cpu_med /= n
                 if rank == 0:
                     size = case.size_bytes()
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
-                           "wrong": int(med[3]), "backend": backend}
-                    for k, t, c in zip(variants, med[:3].tolist(), cpu_med.tolist()):
+                           "wrong": int(med[4]), "backend": backend}
+                    for k, t, c in zip(variants, med[:4].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_cpu_ms"] = c * 1e3
                         row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else nan
                         row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
                     row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
+                    row["check"] = row["ours_us"] / row["off_us"] - 1 if check_cost else nan
                     rows.append(row)
-                    log.info("%s", format_row(row))
+                    log.info("%s", format_row(row, check_cost=check_cost))
     if backend != "p2p":
         reference.close()  # built here, not registered with destroy_process_group
     return rows
@@ -237,9 +260,10 @@ HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':
 
 
 CPU_HEADER = f" |{'cpu ms: ours':>14}{'torch':>7}{'wire':>7}"
+CHECK_HEADER = f" |{'off us':>10}{'check':>8}{'cpu ms: off':>13}"
 
 
-def format_row(r: dict, cpu: bool = False) -> str:
+def format_row(r: dict, cpu: bool = False, check_cost: bool = False) -> str:
     def num(x: float, width: int, digits: int, suffix: str = "") -> str:
         text = f"{x:.{digits}f}{suffix}" if x == x else "-"  # NaN: no such row (e.g. no wire row)
         return text.rjust(width)
@@ -249,7 +273,8 @@ def format_row(r: dict, cpu: bool = False) -> str:
             f"{num(r['torch_us'], 10, 1)}{num(r['torch_busbw'], 7, 2)} |"
             f"{num(r['wire_us'], 10, 1)}{num(r['wire_busbw'], 7, 2)} |"
             f"{num(r['vs_torch'], 9, 2, 'x')}{num(r['vs_wire'], 8, 2, 'x')}"
-            + (f" |{num(r['ours_cpu_ms'], 14, 1)}{num(r['torch_cpu_ms'], 7, 1)}{num(r['wire_cpu_ms'], 7, 1)}" if cpu else ""))
+            + (f" |{num(r['ours_cpu_ms'], 14, 2)}{num(r['torch_cpu_ms'], 7, 2)}{num(r['wire_cpu_ms'], 7, 2)}" if cpu else "")
+            + (f" |{num(r['off_us'], 10, 1)}{num(r['check'] * 100, 7, 1, '%')}{num(r['off_cpu_ms'], 13, 2)}" if check_cost else ""))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -299,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
     p.add_argument("--cpu", action="store_true",
                    help="also print CPU ms per call (user + system, all threads, mean over ranks)")
+    p.add_argument("--check-cost", action="store_true",
+                   help="also time ours with RINGDDP_DEBUG=OFF (interleaved) and print the wire check's cost")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -317,12 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),
                                  ("chain_bytes", args.chain_bytes), ("depth", args.depth)) if v is not None}
     rows: list[dict] = []
-    print(HEADER + (CPU_HEADER if args.cpu else ""))
+    print(HEADER + (CPU_HEADER if args.cpu else "") + (CHECK_HEADER if args.check_cost else ""))
     for n in (int(x) for x in args.world_sizes.split(",")):
         result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend,
-                        backend=args.backend, log_level=logging.WARNING)[0]
+                        args.check_cost, backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
-            print(format_row(r, args.cpu))
+            print(format_row(r, args.cpu, args.check_cost))
         sys.stdout.flush()
         rows += result
     if args.json:

@@ -26,8 +26,27 @@ Signature = tuple[str, str, int, tuple[int, ...], str, int]
 _FIELDS = 6
 
 
+#: ``RINGDDP_DEBUG`` levels, cheapest first. OFF: no checks. CHECK: the wire check of
+#: :mod:`collectives.wire` (a mismatch becomes a ``CollectiveError`` on every rank instead of a
+#: killed process or a wrong answer). DETAIL: CHECK plus the all-gathered signature below
+#: (also compares shapes; a ``ValueError`` and the group stays usable).
+LEVELS = ("OFF", "CHECK", "DETAIL")
+DEFAULT_LEVEL = "CHECK"
+_SPELLINGS = {"": DEFAULT_LEVEL, "0": "OFF", "FALSE": "OFF", "1": "DETAIL", "ON": "DETAIL", "TRUE": "DETAIL"}
+
+
+def level() -> str:
+    """The checking level from ``$RINGDDP_DEBUG`` (read per call; set it the same on every rank)."""
+    raw = os.environ.get("RINGDDP_DEBUG", "").strip().upper()
+    value = _SPELLINGS.get(raw, raw)
+    if value not in LEVELS:
+        raise ValueError(f"RINGDDP_DEBUG={raw!r}: expected one of {', '.join(LEVELS)}")
+    return value
+
+
 def enabled() -> bool:
-    return os.environ.get("RINGDDP_DEBUG", "").upper() in ("DETAIL", "1", "ON", "TRUE")
+    """True at ``RINGDDP_DEBUG=DETAIL``: all-gather each collective's signature first."""
+    return level() == "DETAIL"
 
 
 def signature(name: str, tensor: torch.Tensor | None, op: ReduceOp | None = None, root: int = -1) -> Signature:

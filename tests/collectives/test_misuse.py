@@ -238,3 +238,259 @@ def test_second_thread_while_calls_are_queued_is_refused(pools):
     (message, healthy0), (_, healthy1) = pools(W).run(two_threads)
     assert healthy0 and healthy1
     assert "worker-2" in message and "MainThread" in message and "one thread" in message and "new_group" in message, message
+
+
+# ---------------------------------------------------------------------------- cross-rank mismatches
+#
+# Every case runs in a fresh 2-rank subgroup (a mismatch leaves its group unusable), so many cases
+# share one launched job. Rank 0 makes call A, rank 1 call B; both know both.
+
+DTYPES = (torch.float32, torch.int32, torch.float64, torch.int64)
+OPS = ("SUM", "MAX", "MIN", "PRODUCT", "AVG")
+ALGORITHMS = {
+    "all_reduce": collectives.api.ALL_REDUCE_ALGORITHMS,
+    "broadcast": collectives.api.BROADCAST_ALGORITHMS,
+    "reduce": collectives.api.REDUCE_ALGORITHMS,
+}
+COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "scatter", "gather", "all_to_all", "all_to_all_single", "barrier",
+)  # fmt: skip
+NUMELS = (0, 1, 7, 8, 9, 1000, 70_000)
+
+
+def _normalise(spec: dict) -> dict:
+    """Make a spec locally valid (both ranks apply the same rule)."""
+    if spec["op"] == "AVG" and not spec["dtype"].is_floating_point:
+        spec["op"] = "SUM"
+    if spec["algorithm"] not in ALGORITHMS.get(spec["collective"], ("auto",)):
+        spec["algorithm"] = "auto"
+    return spec
+
+
+def random_spec(rng) -> dict:
+    return _normalise(
+        {
+            "collective": rng.choice(COLLECTIVES),
+            "dtype": rng.choice(DTYPES),
+            "numel": rng.choice(NUMELS),
+            "op": rng.choice(OPS),
+            "root": rng.randrange(2),
+            "algorithm": rng.choice(("auto", "ring", "recursive_doubling", "chain", "binomial")),
+            "small_bytes": rng.choice((None, 1024)),
+            "segment_bytes": rng.choice((None, 4096)),
+            "splits": [[rng.choice((0, 1, 3, 600)) for _ in range(2)] for _ in range(2)],  # rows rank i sends to j
+        }
+    )
+
+
+def mutate(spec: dict, rng) -> dict:
+    """Call B: A with one to three fields drawn again, or another random call."""
+    if rng.random() < 0.3:
+        return random_spec(rng)
+    other, fresh = dict(spec), random_spec(rng)
+    for field in rng.sample(sorted(fresh), rng.randint(1, 3)):
+        other[field] = fresh[field]
+    return _normalise(other)
+
+
+def relevant(spec: dict) -> tuple:
+    """The part of a spec that changes what is sent (a different op on a broadcast changes nothing)."""
+    c = spec["collective"]
+    keep = {"collective", "small_bytes", "segment_bytes"}
+    if c != "barrier":
+        keep |= {"dtype"}
+    if c in ("all_to_all", "all_to_all_single"):
+        keep |= {"splits"}
+    elif c != "barrier":
+        keep |= {"numel"}
+    if c in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
+        keep |= {"op"}
+    if c in ("broadcast", "reduce", "scatter", "gather"):
+        keep |= {"root"}
+    if c in ALGORITHMS:
+        keep |= {"algorithm"}
+    return tuple((k, str(spec[k])) for k in sorted(keep))
+
+
+def run_spec(spec: dict, rank: int, group) -> list[torch.Tensor]:
+    """Make call ``spec`` on ``group``; return what it wrote (or, off the root, what it read)."""
+    c, dtype, m, root = spec["collective"], spec["dtype"], spec["numel"], spec["root"]
+    if group.backend != "torch":
+        for field in ("small_bytes", "segment_bytes"):
+            if spec[field] is not None:
+                setattr(group.tuning, field, spec[field])
+    data = lambda k, salt=0: ((torch.arange(k) + 3 * rank + salt) % 4).to(dtype)  # noqa: E731
+    op = getattr(collectives.ReduceOp, spec["op"])
+    alg = {"algorithm": spec["algorithm"]} if c in ALGORITHMS else {}
+    if c == "barrier":
+        collectives.barrier(group)
+        return []
+    if c in ("all_reduce", "broadcast", "reduce"):
+        t = data(m)
+        if c == "all_reduce":
+            collectives.all_reduce(t, op, group, **alg)
+        elif c == "broadcast":
+            collectives.broadcast(t, root, group, **alg)
+        else:
+            collectives.reduce(t, root, op, group, **alg)
+        return [t]
+    if c == "all_gather":
+        outs = [torch.zeros(m, dtype=dtype) for _ in range(2)]
+        collectives.all_gather(outs, data(m), group)
+        return outs
+    if c == "all_gather_into_tensor":
+        out = torch.zeros(2 * m, dtype=dtype)
+        collectives.all_gather_into_tensor(out, data(m), group)
+        return [out]
+    if c == "reduce_scatter":
+        out = torch.zeros(m, dtype=dtype)
+        collectives.reduce_scatter(out, [data(m), data(m, 1)], op, group)
+        return [out]
+    if c == "reduce_scatter_tensor":
+        out = torch.zeros(m, dtype=dtype)
+        collectives.reduce_scatter_tensor(out, data(2 * m), op, group)
+        return [out]
+    if c == "scatter":
+        out = torch.zeros(m, dtype=dtype)
+        collectives.scatter(out, [data(m), data(m, 1)] if rank == root else None, root, group)
+        return [out]
+    if c == "gather":
+        outs = [torch.zeros(m, dtype=dtype) for _ in range(2)] if rank == root else None
+        collectives.gather(data(m), outs, root, group)
+        return outs or []
+    sends = spec["splits"][rank]
+    recvs = [spec["splits"][j][rank] for j in range(2)]
+    if c == "all_to_all":
+        outs = [torch.zeros(k, dtype=dtype) for k in recvs]
+        collectives.all_to_all(outs, [data(k, j) for j, k in enumerate(sends)], group)
+        return outs
+    out = torch.zeros(sum(recvs), 3, dtype=dtype)
+    collectives.all_to_all_single(out, data(3 * sum(sends)).view(-1, 3), recvs, sends, group)
+    return [out]
+
+
+def _subgroup(backend: str | None = None):
+    return collectives.new_group([0, 1], timeout=4.0, backend=backend)
+
+
+def fuzz_cases(rank, world_size, seed, count):
+    """Run ``count`` random pairs (call A on rank 0, B on rank 1); classify each on this rank."""
+    import logging
+    import random
+
+    logging.getLogger("collectives.group").setLevel(logging.CRITICAL)  # one "unusable" line per mismatch
+    rng = random.Random(seed)
+    reference = _subgroup("torch")
+    outcomes = []
+    for _ in range(count):
+        a = random_spec(rng)
+        b = mutate(a, rng)
+        same = relevant(a) == relevant(b)
+        group = _subgroup()
+        spec = a if rank == 0 else b
+        try:
+            got = run_spec(spec, rank, group)
+        except collectives.CollectiveTimeoutError as exc:
+            outcomes.append(("timeout", same, str(exc)[:200]))
+        except collectives.CollectiveError as exc:
+            outcomes.append(("mismatch error", same, str(exc)[:200]))
+        except Exception as exc:  # noqa: BLE001 - classified by the test
+            outcomes.append((f"other {type(exc).__name__}", same, str(exc)[:200]))
+        else:
+            if same:
+                expected = run_spec(spec, rank, reference)
+                exact = len(got) == len(expected) and all(torch.equal(x, y) for x, y in zip(got, expected))
+                outcomes.append(("ok" if exact else "wrong", same, ""))
+            else:
+                outcomes.append(("completed despite mismatch", same, f"A={relevant(a)} B={relevant(b)}"))
+        group.close()
+    return outcomes, _healthy()
+
+
+FUZZ_CASES, FUZZ_JOBS = 200, 4
+
+
+@pytest.mark.timeout(600)
+def test_mismatch_fuzz_no_silent_wrong_results_no_aborts(pools, monkeypatch):
+    """200 random pairs of different calls at the default level: every mismatch is a
+    CollectiveError on both ranks, every agreeing pair is exact, no process dies."""
+    monkeypatch.delenv("RINGDDP_DEBUG", raising=False)
+    per_job = FUZZ_CASES // FUZZ_JOBS
+    counts: dict[str, int] = {}
+    bad = []
+    for job in range(FUZZ_JOBS):
+        results = collectives.launch(fuzz_cases, 2, 1000 + job, per_job, timeout=20.0, join_timeout=280)
+        (out0, healthy0), (out1, healthy1) = results
+        assert healthy0 and healthy1
+        for i, (r0, r1) in enumerate(zip(out0, out1)):
+            same = r0[1]
+            key = ("agree: " if same else "differ: ") + f"{r0[0]} / {r1[0]}"
+            counts[key] = counts.get(key, 0) + 1
+            good = (r0[0], r1[0]) == ("ok", "ok") if same else (r0[0], r1[0]) == ("mismatch error", "mismatch error")
+            if not good:
+                bad.append((job, i, r0, r1))
+    print("fuzz outcomes (rank 0 / rank 1):", counts)
+    assert sum(counts.values()) == FUZZ_CASES
+    assert not bad, bad
+
+
+def _pair(call: str, **fields) -> tuple[dict, dict]:
+    """Call A (rank 0) and B (rank 1): the same call except for ``fields`` = (A's value, B's value)."""
+    base = {"collective": call, "dtype": torch.float32, "numel": 8, "op": "SUM", "root": 0, "algorithm": "auto",
+            "small_bytes": None, "segment_bytes": None, "splits": [[2, 2], [2, 2]]}  # fmt: skip
+    a, b = dict(base), dict(base)
+    for name, (va, vb) in fields.items():
+        a[name], b[name] = va, vb
+    return a, b
+
+
+NAMED_MISMATCHES = {
+    "float32 vs int32, same numel": (_pair("all_reduce", dtype=(torch.float32, torch.int32)), "dtype"),
+    "float32 vs float64": (_pair("all_reduce", dtype=(torch.float32, torch.float64)), "dtype"),
+    "numel 8 vs 9": (_pair("all_reduce", numel=(8, 9)), "numel"),
+    "SUM vs MAX": (_pair("all_reduce", op=("SUM", "MAX")), "op"),
+    "broadcast vs all_reduce": (_pair("all_reduce", collective=("broadcast", "all_reduce")), "collective"),
+    "broadcast root 0 vs 1": (_pair("broadcast", root=(0, 1)), "root"),
+    "broadcast 8 vs 16 elements": (_pair("broadcast", numel=(8, 16)), "numel"),
+    "ring vs recursive doubling": (_pair("all_reduce", algorithm=("ring", "recursive_doubling")), "algorithm"),
+    "different Tuning": (_pair("all_reduce", numel=(1 << 16,) * 2, segment_bytes=(None, 4096)), "tuning"),
+    "barrier vs all_reduce": (_pair("barrier", collective=("barrier", "all_reduce")), "collective"),
+    "all_to_all_single split sizes": (_pair("all_to_all_single", splits=([[2, 2], [2, 2]], [[2, 2], [1, 3]])), "bytes exchanged"),
+    "all_to_all piece sizes": (_pair("all_to_all", splits=([[1, 5], [5, 1]], [[1, 5], [4, 1]])), "bytes exchanged"),
+    "scatter pieces 8 vs 9": (_pair("scatter", numel=(8, 9)), "numel"),
+    "gather pieces 8 vs 9": (_pair("gather", numel=(8, 9)), "numel"),
+}
+
+
+def named_mismatches(rank, world_size):
+    import logging
+
+    logging.getLogger("collectives.group").setLevel(logging.CRITICAL)
+    outcomes = {}
+    for name, ((a, b), field) in NAMED_MISMATCHES.items():
+        group = _subgroup()
+        try:
+            run_spec(a if rank == 0 else b, rank, group)
+        except collectives.CollectiveError as exc:
+            outcomes[name] = (type(exc).__name__, str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcomes[name] = (type(exc).__name__, str(exc))
+        else:
+            outcomes[name] = ("no error", "")
+        group.close()
+    return outcomes, _healthy()
+
+
+@pytest.mark.timeout(180)
+def test_named_mismatches_raise_collective_error_on_every_rank(monkeypatch):
+    """The mismatches of issue 17, at the default level: a CollectiveError on both ranks naming
+    the field, no killed process (launch would raise), and the default group still works."""
+    monkeypatch.delenv("RINGDDP_DEBUG", raising=False)
+    results = collectives.launch(named_mismatches, 2, timeout=20.0, join_timeout=150)
+    for rank, (outcomes, healthy) in enumerate(results):
+        assert healthy
+        for name, ((_, _), field) in NAMED_MISMATCHES.items():
+            kind, message = outcomes[name]
+            assert kind == "CollectiveError", (rank, name, kind, message)
+            assert "called a different collective" in message and "differ in" in message and field in message, (rank, name, message)
