@@ -7,7 +7,8 @@ Drop-in for the ``torch.distributed`` collectives::
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 See ``collectives/ring.py`` for the ring algorithms, ``tree.py`` for the small-message ones,
-``direct.py`` for scatter/gather/all-to-all, and ``transport/`` for the wire.
+``direct.py`` for scatter/gather/all-to-all, ``transport/`` for the wire, and ``backends.py`` to
+plug in your own transport (:func:`register_backend`).
 """
 
 from .api import (
@@ -25,12 +26,13 @@ from .api import (
     scatter,
 )
 from . import trace
+from .backends import backend_names, register_backend
 from .errors import CollectiveError, CollectiveTimeoutError
 from .group import (
-    BACKENDS,
     Group,
     destroy_process_group,
     get_default_group,
+    get_group,
     get_rank,
     get_world_size,
     init_process_group,
@@ -42,7 +44,6 @@ from .ops import SUPPORTED_DTYPES, ReduceOp
 from .work import Work
 
 __all__ = [
-    "BACKENDS",
     "SUPPORTED_DTYPES",
     "CollectiveError",
     "CollectiveTimeoutError",
@@ -55,11 +56,13 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "all_to_all_single",
+    "backend_names",
     "barrier",
     "broadcast",
     "destroy_process_group",
     "gather",
     "get_default_group",
+    "get_group",
     "get_rank",
     "get_world_size",
     "init_process_group",
@@ -69,5 +72,6 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "register_backend",
     "scatter",
 ]

@@ -146,7 +146,7 @@ def header(
     """
     if debug.level() == "OFF":
         return None
-    name, dtype, numel, _, op, root = signature
+    name, dtype, numel, op, root = signature.name, signature.dtype, signature.numel, signature.op, signature.root
     sends, recvs = (tuple(sizes[0]), tuple(sizes[1])) if sizes is not None else (None, None)
     tuning_code = _code(str(tuple(vars(tuning).values())))
     return Header(name, dtype, -1 if sizes is not None else numel, op, root, algorithm, tuning_code, sends, recvs)

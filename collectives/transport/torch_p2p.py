@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ import torch.distributed as dist
 from .. import wire
 from ..errors import CollectiveError, CollectiveTimeoutError
 from .base import Peer, Request, Transport
+
+if TYPE_CHECKING:
+    from ..group import Group
 
 
 class TorchP2PRequest(Request):
@@ -58,8 +61,6 @@ class TorchP2PTransport(Transport):
         rank: this process's rank within the group.
         timeout: seconds every wait may block before raising.
     """
-
-    device_type = "cpu"
 
     def __init__(self, process_group: dist.ProcessGroup, rank: int, timeout: float):
         super().__init__(rank, process_group.size(), timeout)
@@ -121,6 +122,11 @@ class TorchP2PTransport(Transport):
 
     def _tag(self, tensor: torch.Tensor) -> int:
         return 0 if self._tag_base is None else wire.tag(self._tag_base, tensor.numel() * tensor.element_size())
+
+    @classmethod
+    def for_group(cls, group: "Group", device: torch.device) -> "TorchP2PTransport":
+        """The transport of a collectives group (the ``p2p`` backend's factory)."""
+        return cls(group.process_group, group.rank(), group.timeout)
 
     def error(self, exc: RuntimeError, kind: str, peer: Peer) -> CollectiveError:
         """Turn a gloo failure into an error naming the collective, the peer and this rank."""
