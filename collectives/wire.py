@@ -64,15 +64,19 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())  # stable across processes, unlike hash()
 
 
+#: The calls that carry a header: collectives, where every rank of the group takes part.
+#: Point-to-point calls (send / recv) involve two ranks only and go unchecked.
+COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "scatter", "gather", "all_to_all", "all_to_all_single", "barrier",
+)  # fmt: skip
 _KNOWN = {
     _code(s): s
     for s in (
-        "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-        "reduce_scatter_tensor", "scatter", "gather", "all_to_all", "all_to_all_single", "barrier", "-",
-        *(str(d) for d in SUPPORTED_DTYPES), *(o.name for o in ReduceOp),
+        *COLLECTIVES, "-", *(str(d) for d in SUPPORTED_DTYPES), *(o.name for o in ReduceOp),
         *ALL_REDUCE_ALGORITHMS, *BROADCAST_ALGORITHMS, *REDUCE_ALGORITHMS,
     )
-}  # fmt: skip
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +144,12 @@ def header(
     algorithm: str = "-",
     sizes: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> Header | None:
-    """The header of a call, or None when the check is off (``RINGDDP_DEBUG=OFF``).
+    """The header of a call, or None when the check is off (``RINGDDP_DEBUG=OFF``) or the call is
+    not one of :data:`COLLECTIVES`.
 
     ``sizes``: for all-to-all, (bytes sent to, bytes expected from) each group rank.
     """
-    if debug.level() == "OFF":
+    if signature.name not in COLLECTIVES or debug.level() == "OFF":
         return None
     name, dtype, numel, op, root = signature.name, signature.dtype, signature.numel, signature.op, signature.root
     sends, recvs = (tuple(sizes[0]), tuple(sizes[1])) if sizes is not None else (None, None)

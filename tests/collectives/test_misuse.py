@@ -71,6 +71,21 @@ def aliasing_exact(rank, world_size):
     collectives.all_gather_into_tensor(out, out[:4])
     wrong.append(("all_gather_into_tensor input=chunk 0", int((out != torch.cat([base(k, 4) for k in range(n)])).sum())))
 
+    # all_gather (list): input is this rank's output (in place), and input is output 0
+    for idx in (r, 0):
+        buf = torch.zeros(n * 4)
+        outs = [buf[k * 4 : (k + 1) * 4] for k in range(n)]
+        outs[idx].copy_(base(r, 4))
+        collectives.all_gather(outs, outs[idx])
+        wrong.append((f"all_gather input=tensor_list[{idx}]", int((buf != torch.cat([base(k, 4) for k in range(n)])).sum())))
+
+    # reduce_scatter (list): output is input_list[r] (in place), and input_list[0]
+    for idx in (r, 0):
+        ins = [base(r, 4) + 10 * j for j in range(n)]
+        expected = sum(base(k, 4) + 10 * r for k in range(n))
+        collectives.reduce_scatter(ins[idx], ins)
+        wrong.append((f"reduce_scatter output=input_list[{idx}]", int((ins[idx] != expected).sum())))
+
     # reduce_scatter_tensor: output is this rank's chunk of the input, and chunk 0
     for idx in (r, 0):
         inp = base(r, n * 4)
