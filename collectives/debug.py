@@ -37,10 +37,12 @@ class Signature(NamedTuple):
 _FIELDS = 6  # name .. root are compared across ranks
 
 
-#: ``RINGDDP_DEBUG`` levels, cheapest first. OFF: no checks. CHECK: the wire check of
-#: :mod:`collectives.wire` (a mismatch becomes a ``CollectiveError`` on every rank instead of a
-#: killed process or a wrong answer). DETAIL: CHECK plus the all-gathered signature below
-#: (also compares shapes; a ``ValueError`` and the group stays usable).
+#: ``RINGDDP_DEBUG`` levels, cheapest first (see :mod:`collectives.wire`). OFF: payload messages
+#: are tagged with what they are, so a mismatch never aborts a process or corrupts a result, but it
+#: surfaces only at the group's deadline (``CollectiveTimeoutError``). CHECK (default): plus a
+#: header exchange, so a mismatch is a ``CollectiveError`` describing both calls at once on every
+#: rank. DETAIL: CHECK plus the all-gathered signature below (also compares shapes; a
+#: ``ValueError``, and the group stays usable).
 LEVELS = ("OFF", "CHECK", "DETAIL")
 DEFAULT_LEVEL = "CHECK"
 _SPELLINGS = {"": DEFAULT_LEVEL, "0": "OFF", "FALSE": "OFF", "1": "DETAIL", "ON": "DETAIL", "TRUE": "DETAIL"}

@@ -5,26 +5,28 @@ arguments. When they do not, gloo pairs the messages anyway: bytes of the same s
 wrong place (float32 read as int32, SUM combined with MAX — a silent wrong answer), and a message
 of another size makes gloo *abort the receiving process* (``Received data size doesn't match``).
 
-The check (``RINGDDP_DEBUG=CHECK``, see :func:`collectives.debug.level`) costs no extra round trip:
+Two mechanisms, in the p2p (gloo) transport:
 
-1. **A header per collective.** Before its first payload message, each rank posts a fixed-size
-   header (:data:`FIELDS` int64s: sequence number, collective, dtype, element count, reduce op,
-   root, algorithm, a hash of the group's :class:`~collectives.engine.Tuning`, and for
-   all-to-all the bytes it sends to / expects from that peer) to both ring neighbours, and a
-   receive for theirs. A mismatch between ring neighbours is always found: if every rank agrees
-   with its neighbours, all ranks agree. The headers travel on a slot of their own and have a fixed
-   size, so they always pair up without error.
-2. **Tags that say what a payload message is.** Every payload message is tagged with a hash of
-   (sequence number, header, message bytes). A receive only ever matches a send of the same
-   collective, arguments and size: a mismatched send is never paired (so never aborts the
-   receiver, never lands in its buffer). Payload receives can thus be posted at once, without
-   waiting for the header: the header's round trip overlaps the payload's instead of preceding it.
-3. **Check before trusting a payload.** The first wait of the collective (or its end, if it moved
-   nothing) waits for the neighbours' headers and compares; on a difference it raises
-   :class:`~collectives.errors.CollectiveError` describing both calls. The two neighbours of a
-   deviating rank, and that rank itself, raise at once; ranks further away wait for payloads
-   that never match and raise :class:`~collectives.errors.CollectiveTimeoutError` at the
-   group's deadline.
+1. **Tags that say what a payload message is** (every level, free). Every payload message of a
+   collective is tagged with a hash of (sequence number, header, message bytes), where the
+   header (:class:`Header`) is what the rank was asked to do: collective, dtype, element count,
+   reduce op, root, algorithm, a hash of the group's :class:`~collectives.engine.Tuning`, and for
+   all-to-all the bytes for each peer. A receive only ever matches a send of the same
+   collective, arguments and size: a mismatched send is never paired, so it never aborts the
+   receiver and never lands in its buffer. It costs one integer per message, nothing on the wire.
+   Alone (``RINGDDP_DEBUG=OFF``) a mismatch then leaves the ranks waiting for messages that never
+   come: a :class:`~collectives.errors.CollectiveTimeoutError` at the group's deadline.
+2. **A header exchange** (``CHECK``, the default, and ``DETAIL``). At the start of each
+   collective a rank posts its header (:data:`FIELDS` int64s) to both ring neighbours and a
+   receive for theirs, on a slot of their own with a fixed size (they always pair up without
+   error). The first wait of the collective (or its end, if it moved nothing) waits for the
+   neighbours' headers and compares; on a difference it raises
+   :class:`~collectives.errors.CollectiveError` describing both calls. Payload receives are
+   posted at once (the tags make that safe), so the header's trip overlaps the payload's instead
+   of preceding it; what it costs is one more small message each way per collective. If every
+   rank agrees with its ring neighbours, all ranks agree, so every mismatch is found: the
+   neighbours of a deviating rank and that rank raise at once, ranks further away when their
+   payload waits fail (the raising ranks' processes stop, or the deadline).
 
 A transport that owns its wire (the shared-memory transport) carries the same
 :func:`tag` in its slot header and compares it on arrival, for free. NCCL has neither
@@ -96,17 +98,24 @@ class Header:
     tuning: int
     sends: tuple[int, ...] | None = None
     recvs: tuple[int, ...] | None = None
+    exchange: bool = True  #: exchange headers (CHECK, DETAIL); at OFF only the tags are used
+
+    @functools.cached_property
+    def _fields(self) -> tuple[int, ...]:
+        return (_code(self.collective), _code(self.dtype), self.numel, _code(self.op), self.root, _code(self.algorithm), self.tuning)
 
     def encode(self, seq: int, peer: int) -> torch.Tensor:
         """The header message for ``peer``."""
         pair = (self.sends[peer], self.recvs[peer]) if self.sends is not None and self.recvs is not None else (-1, -1)
-        common = (_code(self.collective), _code(self.dtype), self.numel, _code(self.op), self.root, _code(self.algorithm))
-        return torch.from_numpy(numpy.array([seq, *common, self.tuning, *pair], dtype=numpy.int64))
+        return torch.from_numpy(numpy.array([seq, *self._fields, *pair], dtype=numpy.int64))
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return _code(str(self._fields))
 
     def tag_base(self, seq: int) -> int:
         """A hash of this header as collective number ``seq``; see :func:`tag`."""
-        common = _code(f"{self.collective}|{self.dtype}|{self.numel}|{self.op}|{self.root}|{self.algorithm}|{self.tuning}")
-        return common ^ (seq * 0x9E3779B1 & 0xFFFFFFFF)
+        return self._hash ^ (seq * 0x9E3779B1 & 0xFFFFFFFF)
 
 
 def tag(base: int, nbytes: int) -> int:
@@ -144,17 +153,25 @@ def header(
     algorithm: str = "-",
     sizes: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> Header | None:
-    """The header of a call, or None when the check is off (``RINGDDP_DEBUG=OFF``) or the call is
-    not one of :data:`COLLECTIVES`.
+    """The header of a call (None for calls that are not :data:`COLLECTIVES`).
+
+    At ``RINGDDP_DEBUG=OFF`` the header only makes the tags (``exchange=False``).
 
     ``sizes``: for all-to-all, (bytes sent to, bytes expected from) each group rank.
     """
-    if signature.name not in COLLECTIVES or debug.level() == "OFF":
+    if signature.name not in COLLECTIVES:
         return None
-    name, dtype, numel, op, root = signature.name, signature.dtype, signature.numel, signature.op, signature.root
+    numel = -1 if sizes is not None else signature.numel
     sends, recvs = (tuple(sizes[0]), tuple(sizes[1])) if sizes is not None else (None, None)
-    tuning_code = _code(str(tuple(vars(tuning).values())))
-    return Header(name, dtype, -1 if sizes is not None else numel, op, root, algorithm, tuning_code, sends, recvs)
+    return _header(signature.name, signature.dtype, numel, signature.op, signature.root, algorithm,
+                   str(tuple(vars(tuning).values())), sends, recvs, debug.level() != "OFF")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _header(name: str, dtype: str, numel: int, op: str, root: int, algorithm: str, tuning: str,
+            sends: tuple[int, ...] | None, recvs: tuple[int, ...] | None, exchange: bool) -> Header:  # fmt: skip
+    """Headers are immutable: a training loop's repeated calls reuse one."""
+    return Header(name, dtype, numel, op, root, algorithm, _code(tuning), sends, recvs, exchange)
 
 
 _current = threading.local()

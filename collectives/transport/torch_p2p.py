@@ -4,10 +4,10 @@ This is the default transport. torch's process group is used only as a wire: we 
 collectives here. gloo runs every posted send/receive on its own I/O threads, so a Python
 algorithm can reduce one segment while the next ones are on the wire.
 
-It implements the wire check of :mod:`collectives.wire` (``RINGDDP_DEBUG=CHECK``, the default):
-a header exchange with the ring neighbours at the start of each collective, gloo tags that name
-each payload message (a mismatched message is never paired, so gloo never aborts on a size
-difference), and a comparison of the headers before the first payload wait.
+It implements the wire check of :mod:`collectives.wire`: gloo tags that name each payload message
+of a collective (a mismatched message is never paired, so gloo never aborts on a size
+difference), and, at ``RINGDDP_DEBUG=CHECK`` (the default), a header exchange with the ring
+neighbours at the start of each collective, compared before the first payload wait.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class TorchP2PTransport(Transport):
         self._pg = process_group
         self.wait_timeout = datetime.timedelta(seconds=timeout)
         self._seq = 0  # checked collectives so far
-        self._tag_base: int | None = None  # of the checked collective under way; None: tag 0
-        self._headers: list[tuple[Peer, torch.Tensor, torch.Tensor, dist.Work, dist.Work]] | None = None
+        self._tag_base: int | None = None  # of the collective under way; None (point-to-point): tag 0
+        self._headers: list[tuple[Peer, torch.Tensor, torch.Tensor, dist.Work]] | None = None
+        self._header_sends: list[dist.Work] = []  # never waited: done once the peer's check passed
 
     @contextmanager
     def operation(self, name: str) -> Iterator[None]:
@@ -80,13 +81,14 @@ class TorchP2PTransport(Transport):
                 return
             self._seq += 1
             self._tag_base = header.tag_base(self._seq)
-            self._headers = []
+            self._headers, self._header_sends = [], []
+            neighbours = ((self.rank - 1) % self.world_size, (self.rank + 1) % self.world_size) if header.exchange else ()
             try:
-                for peer in dict.fromkeys(((self.rank - 1) % self.world_size, (self.rank + 1) % self.world_size)):
+                for peer in dict.fromkeys(neighbours):
                     mine, theirs = header.encode(self._seq, peer), torch.empty(wire.FIELDS, dtype=torch.int64)
                     recv = self._post(self._pg.recv, theirs, peer, wire.HEADER_TAG, "recv")
-                    send = self._post(self._pg.send, mine, peer, wire.HEADER_TAG, "send")
-                    self._headers.append((peer, mine, theirs, recv, send))
+                    self._header_sends.append(self._post(self._pg.send, mine, peer, wire.HEADER_TAG, "send"))
+                    self._headers.append((peer, mine, theirs, recv))
                 yield
                 self.check_headers()  # a collective that moved no payload still compares
             finally:
@@ -98,7 +100,7 @@ class TorchP2PTransport(Transport):
     def check_headers(self) -> None:
         """Wait for the neighbours' headers; raise ``CollectiveError`` if a call differs from ours."""
         pending, self._headers = self._headers, None
-        for peer, mine, theirs, recv, _ in pending or ():
+        for peer, mine, theirs, recv in pending or ():
             TorchP2PRequest(recv, self, "recv (header)", peer).wait()
             diffs = wire.compare(mine, theirs)
             if diffs:
@@ -111,8 +113,6 @@ class TorchP2PTransport(Transport):
                     op=self.op,
                     peer=peer,
                 )
-        for peer, _, _, _, send in pending or ():
-            TorchP2PRequest(send, self, "send (header)", peer).wait()
 
     def _post(self, method, tensor: torch.Tensor, peer: Peer, tag: int, kind: str) -> dist.Work:
         try:  # the process group's own methods take group ranks and skip torch's Python-side checks

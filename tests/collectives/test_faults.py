@@ -132,16 +132,11 @@ def test_default_level_turns_a_size_mismatch_into_a_collective_error(monkeypatch
 
 
 @pytest.mark.timeout(120)
-def test_with_checks_off_a_mismatch_still_fails_instead_of_hanging(monkeypatch):
-    """With RINGDDP_DEBUG=OFF, mismatched sizes are caught by gloo, bluntly: gloo aborts the process
-    that receives a longer message than it posted (``Received data size doesn't match``), and its
-    peers get a CollectiveError; either way the launcher reports it."""
+def test_with_checks_off_a_mismatch_times_out_instead_of_killing_a_rank(monkeypatch):
+    """With RINGDDP_DEBUG=OFF there is no header exchange, but payload messages are still tagged
+    with what they are: the mismatched messages never pair (gloo would abort the receiver of a
+    longer message than it posted), so both ranks wait and raise CollectiveTimeoutError."""
     monkeypatch.setenv("RINGDDP_DEBUG", "OFF")
-    start = time.monotonic()
-    try:
-        results = collectives.launch(silent_mismatch, 2, timeout=3.0, join_timeout=60)
-    except LaunchError as exc:
-        assert "died" in str(exc) or "all_reduce" in str(exc), str(exc)
-    else:
-        assert all(r[:2] == ("error", "all_reduce") for r in results), results
-    assert time.monotonic() - start < 40
+    results = collectives.launch(silent_mismatch, 2, timeout=5.0, join_timeout=60)
+    for kind, op, message in results:
+        assert (kind, op) == ("error", "all_reduce") and "timed out" in message, message
