@@ -116,19 +116,28 @@ def _offsets(t: torch.Tensor) -> torch.Tensor:
     return off * t.element_size()
 
 
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` share at least one byte of memory."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    pa, loa, hia = _span(a)
-    pb, lob, hib = _span(b)
-    if pa != pb or hia <= lob or hib <= loa:
-        return False
+def _shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """For two tensors whose byte ranges in one storage intersect: do they share an element?"""
     if a.is_contiguous() and b.is_contiguous():
         return True
     if a.element_size() != b.element_size() or max(a.numel(), b.numel()) > EXACT_OVERLAP_ELEMS:
         return True
     return bool(torch.isin(_offsets(a), _offsets(b)).any())
+
+
+def _overlapping_pairs(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Index pairs ``(i, j)``, ``i < j``, of tensors that share memory.
+
+    A sweep over byte ranges sorted by start: only ranges that intersect are compared, so the
+    usual case (distinct buffers, or consecutive chunks of one) costs ``O(n log n)``, not ``O(n²)``.
+    """
+    spans = sorted((*_span(t), i) for i, t in enumerate(tensors) if t.numel())
+    pairs, active = [], []  # active: (storage, end, index) of ranges that may reach later starts
+    for storage, lo, hi, j in spans:
+        active = [a for a in active if a[0] == storage and a[1] > lo]
+        pairs += [(min(i, j), max(i, j)) for _, _, i in active if _shares_elements(tensors[i], tensors[j])]
+        active.append((storage, hi, j))
+    return pairs
 
 
 def aliasing(op_name: str, writes: Named, reads: Named = ()) -> list[bool]:
@@ -145,15 +154,18 @@ def aliasing(op_name: str, writes: Named, reads: Named = ()) -> list[bool]:
                 f"{t.stride()}, e.g. an expand()-ed view); the collective writes it, so every element "
                 "needs its own memory: pass a .clone() or a fresh tensor"
             )
-    for i, (what_a, a) in enumerate(writes):
-        for what_b, b in writes[:i]:
-            if overlaps(a, b):
-                raise ValueError(
-                    f"{op_name}: {what_b} and {what_a} overlap in memory (the same tensor twice, or "
-                    "views of one buffer that share elements); each receives different data, so "
-                    "pass distinct tensors"
-                )
-    return [any(overlaps(r, w) for _, w in writes) for _, r in reads]
+    w = len(writes)
+    stage = [False] * len(reads)
+    for i, j in _overlapping_pairs([t for _, t in writes] + [t for _, t in reads]):
+        if j < w:  # two outputs
+            raise ValueError(
+                f"{op_name}: {writes[i][0]} and {writes[j][0]} overlap in memory (the same tensor twice, "
+                "or views of one buffer that share elements); each receives different data, so pass "
+                "distinct tensors"
+            )
+        if i < w:  # an input overlapping an output
+            stage[j - w] = True
+    return stage
 
 
 def is_chunk(big: torch.Tensor, small: torch.Tensor, index: int) -> bool:

@@ -66,10 +66,10 @@ class TorchP2PTransport(Transport):
         super().__init__(rank, process_group.size(), timeout)
         self._pg = process_group
         self.wait_timeout = datetime.timedelta(seconds=timeout)
-        self._seq = 0  # checked collectives so far
+        self._seq = 0  # collectives so far: part of every tag, so stale messages never pair
         self._tag_base: int | None = None  # of the collective under way; None (point-to-point): tag 0
         self._headers: list[tuple[Peer, torch.Tensor, torch.Tensor, dist.Work]] | None = None
-        self._header_sends: list[dist.Work] = []  # never waited: done once the peer's check passed
+        self._header_sends: list[dist.Work] = []  # kept alive until the next collective, never waited
 
     @contextmanager
     def operation(self, name: str) -> Iterator[None]:
@@ -109,7 +109,7 @@ class TorchP2PTransport(Transport):
                     f"This rank ({self.rank}) called {wire.describe(mine)}; rank {peer} called "
                     f"{wire.describe(theirs)}; they differ in {', '.join(diffs)}. Every rank must issue the "
                     "same collectives in the same order with matching dtype, size, op, root, algorithm and "
-                    "Tuning. Nothing was exchanged, but this group is unusable now",
+                    "Tuning. No payload was delivered, but this group is unusable now",
                     op=self.op,
                     peer=peer,
                 )
