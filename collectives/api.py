@@ -395,7 +395,7 @@ def all_to_all(
                 engine.all_to_all(flat_outs, flat_ins)
 
     sizes = ([t.numel() * t.element_size() for t in ins], [t.numel() * t.element_size() for t in outs])
-    return g.submit(name, run, async_op, debug.signature(name, like), outs, sizes=sizes)
+    return g.submit(name, run, async_op, debug.signature(name, like, uneven=True), outs, sizes=sizes)
 
 
 def all_to_all_single(
@@ -439,7 +439,7 @@ def all_to_all_single(
 
     row_bytes = row * input.element_size()
     sizes = ([s * row_bytes for s in in_splits], [s * row_bytes for s in out_splits])
-    return g.submit(name, run, async_op, debug.signature(name, input), [output], sizes=sizes)
+    return g.submit(name, run, async_op, debug.signature(name, input, uneven=True), [output], sizes=sizes)
 
 
 def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, op_name: str, what: str) -> list[int]:

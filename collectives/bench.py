@@ -20,9 +20,10 @@ link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are 
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
-``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (no wire check,
-:mod:`collectives.wire`), interleaved with the others, and the column ``check`` = ours / off - 1:
-what the always-on check costs at the level the benchmark runs under (``RINGDDP_DEBUG``, default CHECK).
+``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (payload tags but
+no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
+``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
+(``RINGDDP_DEBUG``, default CHECK).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""Debug mode: check that all ranks issue the same collective before running it.
+"""Debug levels, and the DETAIL check that all ranks issue the same collective before running it.
 
 Point-to-point algorithms trust that every rank calls the same collective with matching
 arguments; when they don't (a rank skips a call, passes another size or dtype), the messages pair
-up wrongly and the result is a hang until the timeout or, worse, a wrong answer. With
-``RINGDDP_DEBUG=DETAIL`` (like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every collective first
-all-gathers a small fixed-size signature — collective, dtype, element count, shape, reduce op,
-root — and every rank raises the same ``ValueError`` describing the mismatch if they differ.
-It costs one extra small all-gather per collective.
+up wrongly. The wire check (:mod:`collectives.wire`: payload tags at every level, a header
+exchange from CHECK up) turns that into a ``CollectiveError``. With ``RINGDDP_DEBUG=DETAIL`` (like
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every collective first also all-gathers a small fixed-size
+signature — collective, dtype, element count, shape, reduce op, root — and every rank raises the
+same ``ValueError`` describing the mismatch if they differ. It costs one extra small all-gather
+per collective.
 """
 
 from __future__ import annotations
@@ -62,13 +63,17 @@ def enabled() -> bool:
     return level() == "DETAIL"
 
 
-def signature(name: str, tensor: torch.Tensor | None, op: ReduceOp | None = None, root: int = -1) -> Signature:
+def signature(
+    name: str, tensor: torch.Tensor | None, op: ReduceOp | None = None, root: int = -1, uneven: bool = False
+) -> Signature:
+    """``uneven``: ranks may legitimately pass different sizes (all-to-all); numel and shape are not compared."""
     if tensor is None:
         return Signature(name, "-", 0, (), "-", root, 0)
     numel = tensor.numel()
     return Signature(
-        name, str(tensor.dtype), numel, tuple(tensor.shape), op.name if op else "-", root, numel * tensor.element_size()
-    )
+        name, str(tensor.dtype), -1 if uneven else numel, () if uneven else tuple(tensor.shape),
+        op.name if op else "-", root, numel * tensor.element_size(),
+    )  # fmt: skip
 
 
 def _encode(sig: Signature) -> torch.Tensor:

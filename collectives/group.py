@@ -170,7 +170,7 @@ class Group:
         """Run ``fn`` on the group's FIFO queue (now, or on the communication thread if async).
 
         Refuses to start on a broken group; a :class:`CollectiveError` inside ``fn`` breaks it.
-        Under ``RINGDDP_DEBUG`` every rank's ``signature`` is compared first; while tracing, the
+        At ``RINGDDP_DEBUG=DETAIL`` every rank's ``signature`` is compared first; while tracing, the
         call is recorded. ``result``: the output tensors, the value of the returned
         :class:`Work`'s future. ``algorithm`` and ``sizes`` (all-to-all: bytes to / from each
         rank) complete the wire check's header (:mod:`collectives.wire`). ``fn`` runs under

@@ -85,8 +85,8 @@ _KNOWN = {
 class Header:
     """What one rank is about to do: compared with the ring neighbours before payload is trusted.
 
-    ``numel`` is -1 where ranks may legitimately differ (all-to-all); there ``sends`` /
-    ``recvs`` give the bytes for each peer instead.
+    ``numel`` is -1 where ranks may legitimately differ (all-to-all, see
+    :func:`collectives.debug.signature`); there ``sends`` / ``recvs`` give the bytes for each peer.
     """
 
     collective: str
@@ -161,9 +161,8 @@ def header(
     """
     if signature.name not in COLLECTIVES:
         return None
-    numel = -1 if sizes is not None else signature.numel
     sends, recvs = (tuple(sizes[0]), tuple(sizes[1])) if sizes is not None else (None, None)
-    return _header(signature.name, signature.dtype, numel, signature.op, signature.root, algorithm,
+    return _header(signature.name, signature.dtype, signature.numel, signature.op, signature.root, algorithm,
                    str(tuple(vars(tuning).values())), sends, recvs, debug.level() != "OFF")  # fmt: skip
 
 

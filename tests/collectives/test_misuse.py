@@ -509,3 +509,19 @@ def test_named_mismatches_raise_collective_error_on_every_rank(monkeypatch):
             kind, message = outcomes[name]
             assert kind == "CollectiveError", (rank, name, kind, message)
             assert "called a different collective" in message and "differ in" in message and field in message, (rank, name, message)
+
+
+def uneven_all_to_all(rank, world_size):
+    splits = [[1, 3], [2, 2]]  # rows rank i sends to rank j: the ranks' inputs differ in size
+    sends, recvs = splits[rank], [splits[j][rank] for j in range(world_size)]
+    inp = torch.full((sum(sends), 2), float(rank))
+    out = torch.empty(sum(recvs), 2)
+    collectives.all_to_all_single(out, inp, recvs, sends)
+    return out[:, 0].tolist()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("level", ["OFF", "CHECK", "DETAIL"])
+def test_uneven_all_to_all_is_no_mismatch_at_any_level(monkeypatch, level):
+    monkeypatch.setenv("RINGDDP_DEBUG", level)
+    assert collectives.launch(uneven_all_to_all, 2, timeout=20.0, join_timeout=90) == [[0.0, 1.0, 1.0], [0.0] * 3 + [1.0, 1.0]]
