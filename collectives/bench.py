@@ -21,13 +21,19 @@ link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are 
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
+``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (payload tags but
+no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
+``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
+(``RINGDDP_DEBUG``, default CHECK).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -202,12 +208,28 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
     return 2, timed
 
 
+@contextlib.contextmanager
+def _checks_off():
+    """Run ours with ``RINGDDP_DEBUG=OFF`` inside the block (the level is read per call)."""
+    previous = os.environ.get("RINGDDP_DEBUG")
+    os.environ["RINGDDP_DEBUG"] = "OFF"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["RINGDDP_DEBUG"]
+        else:
+            os.environ["RINGDDP_DEBUG"] = previous
+
+
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
-               tuning: dict[str, int], backend: str = "p2p", algorithm: str = "auto", model: bool = False) -> list[dict]:
+               tuning: dict[str, int], backend: str = "p2p", algorithm: str = "auto", model: bool = False,
+               check_cost: bool = False) -> list[dict]:
     """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`.
 
     ``algorithm`` is forced on our all_reduce / broadcast; ``model`` fits α/β by ping-pong first
-    and adds the cost model's prediction to every row (:mod:`collectives.costmodel`).
+    and adds the cost model's prediction to every row (:mod:`collectives.costmodel`);
+    ``check_cost`` also times ours with ``RINGDDP_DEBUG=OFF``.
     """
     torch.set_num_threads(1)
     ours = get_default_group()
@@ -227,8 +249,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
             for nbytes in sizes:
                 case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device, algorithm)
                 warm, timed = _iterations(nbytes, iters)
-                times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
-                cpu: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
+                times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": [], "off": []}
+                cpu: dict[str, list[float]] = {"ours": [], "torch": [], "wire": [], "off": []}
                 wrong = case.wrong(reference)
                 has_wire = case.wire(engine)
                 for i in range(warm + timed):
@@ -237,35 +259,39 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         "torch": _timed(case.prepare, lambda: case.run("torch", reference), sync),
                         "wire": _timed(case.prepare, lambda: case.wire(engine), sync) if has_wire else (nan, nan),
                     }
+                    if check_cost:
+                        with _checks_off():
+                            measured["off"] = _timed(case.prepare, lambda: case.run("ours", None), sync)
                     if i >= warm:
                         for k, (wall, used) in measured.items():
                             times[k].append(wall)
                             cpu[k].append(used)
-                variants = ("ours", "torch", "wire")
-                med = torch.tensor([statistics.median(times[k]) for k in variants] + [wrong], dtype=torch.float64)
+                variants = ("ours", "torch", "wire", "off")
+                med = torch.tensor([statistics.median(times[k] or [nan]) for k in variants] + [wrong], dtype=torch.float64)
                 tdist.all_reduce(med, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
-                cpu_med = torch.tensor([statistics.median(cpu[k]) for k in variants], dtype=torch.float64)
+                cpu_med = torch.tensor([statistics.median(cpu[k] or [nan]) for k in variants], dtype=torch.float64)
                 tdist.all_reduce(cpu_med)  # CPU per call: the mean over ranks
                 cpu_med /= n
                 if rank == 0:
                     size = case.size_bytes()
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
-                           "wrong": int(med[3]), "backend": backend}
-                    for k, t, c in zip(variants, med[:3].tolist(), cpu_med.tolist()):
+                           "wrong": int(med[4]), "backend": backend}
+                    for k, t, c in zip(variants, med[:4].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_cpu_ms"] = c * 1e3
                         row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else nan
                         row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
                     row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
+                    row["check"] = row["ours_us"] / row["off_us"] - 1 if check_cost else nan
                     row["algorithm"] = costmodel.algorithm_for(op, algorithm, size, layout, ours.tuning)
                     if links:
                         row["model_us"] = 1e6 * costmodel.predict(
                             op, size, layout, links["net"], links["local"], ours.tuning, algorithm)
                         row["net_alpha"], row["net_beta"] = links["net"].alpha, links["net"].beta
                     rows.append(row)
-                    log.info("%s", format_row(row))
+                    log.info("%s", format_row(row, check_cost=check_cost))
     return rows
 
 
@@ -274,9 +300,10 @@ HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':
 
 
 CPU_HEADER = f" |{'cpu ms: ours':>14}{'torch':>7}{'wire':>7}"
+CHECK_HEADER = f" |{'off us':>10}{'check':>8}{'cpu ms: off':>13}"
 
 
-def format_row(r: dict, cpu: bool = False) -> str:
+def format_row(r: dict, cpu: bool = False, check_cost: bool = False) -> str:
     def num(x: float, width: int, digits: int, suffix: str = "") -> str:
         text = f"{x:.{digits}f}{suffix}" if x == x else "-"  # NaN: no such row (e.g. no wire row)
         return text.rjust(width)
@@ -286,7 +313,8 @@ def format_row(r: dict, cpu: bool = False) -> str:
             f"{num(r['torch_us'], 10, 1)}{num(r['torch_busbw'], 7, 2)} |"
             f"{num(r['wire_us'], 10, 1)}{num(r['wire_busbw'], 7, 2)} |"
             f"{num(r['vs_torch'], 9, 2, 'x')}{num(r['vs_wire'], 8, 2, 'x')}"
-            + (f" |{num(r['ours_cpu_ms'], 14, 1)}{num(r['torch_cpu_ms'], 7, 1)}{num(r['wire_cpu_ms'], 7, 1)}" if cpu else "")
+            + (f" |{num(r['ours_cpu_ms'], 14, 2)}{num(r['torch_cpu_ms'], 7, 2)}{num(r['wire_cpu_ms'], 7, 2)}" if cpu else "")
+            + (f" |{num(r['off_us'], 10, 1)}{num(r['check'] * 100, 7, 1, '%')}{num(r['off_cpu_ms'], 13, 2)}" if check_cost else "")
             + (f" | {r['algorithm']:<18}{num(r['model_us'], 10, 1)}{num(r['model_us'] / r['ours_us'], 7, 2, 'x')}"
                if "model_us" in r else ""))
 
@@ -350,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                         "world size / hosts ranks on each")
     p.add_argument("--netem", help="with --hosts: tc netem on every host's link, e.g. 'delay 1ms rate 1gbit'")
     p.add_argument("--tbf", help="with --hosts: tc tbf on every host's link, e.g. 'rate 1gbit burst 256kb latency 50ms'")
+    p.add_argument("--check-cost", action="store_true",
+                   help="also time ours with RINGDDP_DEBUG=OFF (interleaved) and print the wire check's cost")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -376,14 +406,15 @@ def main(argv: list[str] | None = None) -> int:
         reason = unavailable() or (link_unavailable(link) if link else None)
         if reason or any(n % args.hosts for n in world_sizes):
             p.error(reason or f"--hosts {args.hosts}: every world size must be a multiple of it")
-    print(HEADER + (CPU_HEADER if args.cpu else "") + (MODEL_HEADER if args.model else ""))
+    print(HEADER + (CPU_HEADER if args.cpu else "") + (CHECK_HEADER if args.check_cost else "")
+          + (MODEL_HEADER if args.model else ""))
     for n in world_sizes:
         job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
-               args.model)
+               args.model, args.check_cost)
         result = _run_hosts(args.hosts, link, n, job) if args.hosts else launch(
             job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
-            print(format_row(r, args.cpu))
+            print(format_row(r, args.cpu, args.check_cost))
         sys.stdout.flush()
         rows += result
     if args.json:
