@@ -39,6 +39,7 @@ from .group import (
 )
 from .launch import LaunchError, launch
 from .ops import SUPPORTED_DTYPES, ReduceOp
+from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .work import Work
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Group",
     "LaunchError",
+    "P2POp",
     "ReduceOp",
     "Work",
     "all_gather",
@@ -56,6 +58,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "barrier",
+    "batch_isend_irecv",
     "broadcast",
     "destroy_process_group",
     "gather",
@@ -63,11 +66,15 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "init_process_group",
+    "irecv",
     "is_initialized",
+    "isend",
     "launch",
     "new_group",
+    "recv",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
+    "send",
 ]

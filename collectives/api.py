@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from . import debug, trace
+from . import debug, mailbox, trace
 from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from .errors import CollectiveError
 from .group import Group, _resolve, mark_broken
@@ -110,6 +110,7 @@ def _submit(g: Group, op_name: str, fn: Callable[[], None], async_op: bool, sign
         tracer = trace.active()
         start = time.perf_counter_ns() if tracer is not None else 0
         try:
+            mailbox.settle(g)  # receives posted by irecv take their messages before ours
             if debug.enabled():
                 debug.check_agreement(g, signature)
             fn()

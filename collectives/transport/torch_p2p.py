@@ -47,13 +47,17 @@ class TorchP2PTransport(Transport):
             ``i`` of that group.
         rank: this process's rank within the group.
         timeout: seconds every wait may block before raising.
+        tag: gloo tag of every message. Messages of different tags never match each other, so a
+            transport with its own tag is a channel of its own on the same process group (user
+            point-to-point uses one, see ``collectives/mailbox.py``).
     """
 
     device_type = "cpu"
 
-    def __init__(self, process_group: dist.ProcessGroup, rank: int, timeout: float):
+    def __init__(self, process_group: dist.ProcessGroup, rank: int, timeout: float, tag: int = 0):
         super().__init__(rank, process_group.size(), timeout)
         self._pg = process_group
+        self._tag = tag
         self.wait_timeout = datetime.timedelta(seconds=timeout)
 
     def error(self, exc: RuntimeError, kind: str, peer: Peer) -> CollectiveError:
@@ -73,14 +77,14 @@ class TorchP2PTransport(Transport):
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
         # The process group's own methods take group ranks and skip torch's Python-side checks.
         try:
-            work = self._pg.send([tensor], peer, 0)
+            work = self._pg.send([tensor], peer, self._tag)
         except RuntimeError as exc:  # gloo refuses to post once the pair to the peer is closed
             raise self.error(exc, "send", peer) from exc
         return TorchP2PRequest(work, self, "send", peer)
 
     def irecv(self, tensor: torch.Tensor, peer: Peer) -> Request:
         try:
-            work = self._pg.recv([tensor], peer, 0)
+            work = self._pg.recv([tensor], peer, self._tag)
         except RuntimeError as exc:
             raise self.error(exc, "recv", peer) from exc
         return TorchP2PRequest(work, self, "recv", peer)
