@@ -39,10 +39,24 @@ from .group import (
 )
 from .launch import LaunchError, launch
 from .ops import SUPPORTED_DTYPES, ReduceOp
+from .objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .work import Work
 
 __all__ = [
+    "send_object_list",
+    "scatter_object_list",
+    "recv_object_list",
+    "gather_object",
+    "broadcast_object_list",
+    "all_gather_object",
     "BACKENDS",
     "SUPPORTED_DTYPES",
     "CollectiveError",
