@@ -7,7 +7,8 @@ Drop-in for the ``torch.distributed`` collectives::
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 See ``collectives/ring.py`` for the ring algorithms, ``tree.py`` for the small-message ones,
-``direct.py`` for scatter/gather/all-to-all, and ``transport/`` for the wire.
+``direct.py`` for scatter/gather/all-to-all, ``transport/`` for the wire, and ``backends.py`` to
+plug in your own transport (:func:`register_backend`).
 """
 
 from .api import (
@@ -25,12 +26,13 @@ from .api import (
     scatter,
 )
 from . import trace
+from .backends import backend_names, register_backend
 from .errors import CollectiveError, CollectiveTimeoutError
 from .group import (
-    BACKENDS,
     Group,
     destroy_process_group,
     get_default_group,
+    get_group,
     get_rank,
     get_world_size,
     init_process_group,
@@ -38,7 +40,6 @@ from .group import (
     new_group,
 )
 from .launch import LaunchError, launch
-from .ops import SUPPORTED_DTYPES, ReduceOp
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -47,17 +48,11 @@ from .objects import (
     scatter_object_list,
     send_object_list,
 )
+from .ops import SUPPORTED_DTYPES, ReduceOp
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .work import Work
 
 __all__ = [
-    "send_object_list",
-    "scatter_object_list",
-    "recv_object_list",
-    "gather_object",
-    "broadcast_object_list",
-    "all_gather_object",
-    "BACKENDS",
     "SUPPORTED_DTYPES",
     "CollectiveError",
     "CollectiveTimeoutError",
@@ -68,15 +63,20 @@ __all__ = [
     "Work",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_object",
     "all_reduce",
     "all_to_all",
     "all_to_all_single",
+    "backend_names",
     "barrier",
     "batch_isend_irecv",
     "broadcast",
+    "broadcast_object_list",
     "destroy_process_group",
     "gather",
+    "gather_object",
     "get_default_group",
+    "get_group",
     "get_rank",
     "get_world_size",
     "init_process_group",
@@ -86,9 +86,13 @@ __all__ = [
     "launch",
     "new_group",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "register_backend",
     "scatter",
+    "scatter_object_list",
     "send",
+    "send_object_list",
 ]

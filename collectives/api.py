@@ -6,8 +6,12 @@ Each function does three things, in this order:
    call fails on the rank that made it instead of leaving its peers waiting;
 2. takes contiguous flat views of the tensors (copying non-contiguous ones, and writing results
    back into the original view only);
-3. queues the work on the group's FIFO executor and either waits (default) or returns a
-   :class:`~collectives.work.Work` handle (``async_op=True``).
+3. submits the work to the group (:meth:`~collectives.group.Group.submit`: its FIFO queue, the
+   debug check, tracing) and either waits (default) or returns a :class:`~collectives.work.Work`
+   handle (``async_op=True``).
+
+It never knows which backend runs the call: ``group.engine(device)`` returns an
+:class:`~collectives.engine.Engine` chosen through :mod:`collectives.backends`.
 
 ``src`` / ``dst`` are global ranks, as in torch. Tensors passed with ``async_op=True`` must not be
 touched until ``wait()`` returns.
@@ -16,20 +20,15 @@ touched until ``wait()`` returns.
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from . import debug, mailbox, trace
+from . import debug
 from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
-from .errors import CollectiveError
-from .group import Group, _resolve, mark_broken
-from .ops import SUPPORTED_DTYPES, ReduceOp, check_dtype, check_op_dtype
+from .group import Group, get_group
+from .ops import ReduceOp, check_dtype, check_op_dtype
 from .work import Work
-
-log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------- argument checks
 
@@ -94,43 +93,10 @@ def _flats(ts: Sequence[torch.Tensor], write_back: bool) -> Iterator[list[torch.
         yield [stack.enter_context(_flat(t, write_back)) for t in ts]
 
 
-# ---------------------------------------------------------------------------- dispatch
-
-
-_ITEMSIZE = {str(d): d.itemsize for d in SUPPORTED_DTYPES}
-
-
-def _submit(g: Group, op_name: str, fn: Callable[[], None], async_op: bool, signature: debug.Signature) -> Work | None:
-    """Run ``fn`` on the group's queue; turn communication failures into a broken group."""
-    if g.broken is not None:
-        raise CollectiveError(f"{op_name}: group {g.name} is unusable after an earlier failure: {g.broken}", op=op_name)
-    label = trace.current_label()  # read on the submitting thread
-
-    def run() -> None:
-        tracer = trace.active()
-        start = time.perf_counter_ns() if tracer is not None else 0
-        try:
-            mailbox.settle(g)  # receives posted by irecv take their messages before ours
-            if debug.enabled():
-                debug.check_agreement(g, signature)
-            fn()
-        except CollectiveError as exc:
-            mark_broken(g, exc)
-            raise
-        finally:
-            if tracer is not None:
-                nbytes = signature[2] * _ITEMSIZE.get(signature[1], 0)
-                args = {"op": op_name, "group": g.name, "bytes": nbytes, "async": async_op}
-                tracer.add(label or op_name, "collective", start, time.perf_counter_ns(), args)
-
-    if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
-        log.debug("%s on %s (rank %d)", debug.describe(signature), g.name, g.rank)
-    work = g.executor.submit(Work(op_name), run, async_op)
-    return work if async_op else None
-
-
-def _engine(g: Group, t: torch.Tensor, op_name: str):
-    return g.engine(t.device, op_name)
+def _pieces(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``flat`` cut into ``n`` equal consecutive views."""
+    m = flat.numel() // n
+    return [flat[i * m : (i + 1) * m] for i in range(n)]
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -151,18 +117,18 @@ def all_reduce(
     or ``"auto"`` (by size).
     """
     name = "all_reduce"
-    g, op = _resolve(group), ReduceOp.coerce(op)
+    g, op = get_group(group), ReduceOp.coerce(op)
     _check_tensor(tensor, name)
     check_op_dtype(op, tensor.dtype, name)
     _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
     _check_async(async_op, name)
-    engine = _engine(g, tensor, name)
+    engine = g.engine(tensor.device, name)
 
     def run() -> None:
         with _flat(tensor) as buf, engine.transport_op(name):
             engine.all_reduce(buf, op, algorithm)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, op))
+    return g.submit(name, run, async_op, debug.signature(name, tensor, op), [tensor])
 
 
 def broadcast(
@@ -175,18 +141,18 @@ def broadcast(
 ) -> Work | None:
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every rank of the group."""
     name = "broadcast"
-    g = _resolve(group)
+    g = get_group(group)
     _check_tensor(tensor, name)
     root = g.group_rank(src, "src", name)
     _check_algorithm(algorithm, BROADCAST_ALGORITHMS, name)
     _check_async(async_op, name)
-    engine = _engine(g, tensor, name)
+    engine = g.engine(tensor.device, name)
 
     def run() -> None:
-        with _flat(tensor, write_back=g.rank != root) as buf, engine.transport_op(name):
+        with _flat(tensor, write_back=g.rank() != root) as buf, engine.transport_op(name):
             engine.broadcast(buf, root, algorithm)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, root=root))
+    return g.submit(name, run, async_op, debug.signature(name, tensor, root=root), [tensor])
 
 
 def reduce(
@@ -200,28 +166,22 @@ def reduce(
 ) -> Work | None:
     """Reduce ``tensor`` across the group onto global rank ``dst`` (in place there).
 
-    Unlike gloo, the tensors of the other ranks are left unchanged.
+    The tensors of the other ranks are left unchanged (torch's CPU reduce overwrites them).
     """
     name = "reduce"
-    g, op = _resolve(group), ReduceOp.coerce(op)
+    g, op = get_group(group), ReduceOp.coerce(op)
     _check_tensor(tensor, name)
     check_op_dtype(op, tensor.dtype, name)
     root = g.group_rank(dst, "dst", name)
     _check_algorithm(algorithm, REDUCE_ALGORITHMS, name)
     _check_async(async_op, name)
-    engine = _engine(g, tensor, name)
+    engine = g.engine(tensor.device, name)
 
     def run() -> None:
-        with contextlib.ExitStack() as stack:
-            if g.rank == root:
-                buf = stack.enter_context(_flat(tensor))
-            else:  # our algorithms use the buffer as scratch on non-root ranks
-                buf = g.workspace.get("reduce-scratch", tensor.numel(), tensor.dtype, tensor.device)
-                buf.copy_(tensor.reshape(-1))
-            with engine.transport_op(name):
-                engine.reduce(buf, root, op, algorithm)
+        with _flat(tensor, write_back=g.rank() == root) as buf, engine.transport_op(name):
+            engine.reduce(buf, root, op, algorithm)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, op, root=root))
+    return g.submit(name, run, async_op, debug.signature(name, tensor, op, root=root), [tensor])
 
 
 def all_gather(
@@ -229,21 +189,18 @@ def all_gather(
 ) -> Work | None:
     """Gather ``tensor`` from every rank into ``tensor_list[i]`` (from group rank ``i``)."""
     name = "all_gather"
-    g = _resolve(group)
+    g = get_group(group)
     _check_tensor(tensor, name)
-    outs = _check_list(tensor_list, name, "tensor_list", g.size, tensor)
+    outs = _check_list(tensor_list, name, "tensor_list", g.size(), tensor)
     _check_async(async_op, name)
-    engine = _engine(g, tensor, name)
+    engine = g.engine(tensor.device, name)
 
     def run() -> None:
-        m = tensor.numel()
-        flat = g.workspace.get("all-gather", m * g.size, tensor.dtype, tensor.device)
-        with _flat(tensor, write_back=False) as inp, engine.transport_op(name):
-            engine.all_gather(flat, inp)
-        for i, out in enumerate(outs):
-            out.copy_(flat[i * m : (i + 1) * m].view_as(out))
+        with _flats(outs, write_back=True) as flat_outs, _flat(tensor, write_back=False) as inp:
+            with engine.transport_op(name):
+                engine.all_gather(flat_outs, inp)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor))
+    return g.submit(name, run, async_op, debug.signature(name, tensor), outs)
 
 
 def all_gather_into_tensor(
@@ -251,23 +208,23 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (``n`` times as many elements)."""
     name = "all_gather_into_tensor"
-    g = _resolve(group)
+    g = get_group(group)
     _check_tensor(input_tensor, name, "input_tensor")
     _check_tensor(output_tensor, name, "output_tensor")
     _check_same(output_tensor, input_tensor, name, "output_tensor", numel=False)
-    if output_tensor.numel() != g.size * input_tensor.numel():
+    if output_tensor.numel() != g.size() * input_tensor.numel():
         raise ValueError(
             f"{name}: output_tensor has {output_tensor.numel()} elements; expected world size "
-            f"{g.size} x input {input_tensor.numel()} = {g.size * input_tensor.numel()}"
+            f"{g.size()} x input {input_tensor.numel()} = {g.size() * input_tensor.numel()}"
         )
     _check_async(async_op, name)
-    engine = _engine(g, input_tensor, name)
+    engine = g.engine(input_tensor.device, name)
 
     def run() -> None:
         with _flat(output_tensor) as out, _flat(input_tensor, write_back=False) as inp, engine.transport_op(name):
-            engine.all_gather(out, inp)
+            engine.all_gather(_pieces(out, g.size()), inp)
 
-    return _submit(g, name, run, async_op, debug.signature(name, input_tensor))
+    return g.submit(name, run, async_op, debug.signature(name, input_tensor), [output_tensor])
 
 
 def reduce_scatter(
@@ -279,19 +236,18 @@ def reduce_scatter(
 ) -> Work | None:
     """Reduce ``input_list[i]`` across ranks and leave the result on group rank ``i`` in ``output``."""
     name = "reduce_scatter"
-    g, op = _resolve(group), ReduceOp.coerce(op)
+    g, op = get_group(group), ReduceOp.coerce(op)
     _check_tensor(output, name, "output")
     check_op_dtype(op, output.dtype, name)
-    ins = _check_list(input_list, name, "input_list", g.size, output)
+    ins = _check_list(input_list, name, "input_list", g.size(), output)
     _check_async(async_op, name)
-    engine = _engine(g, output, name)
+    engine = g.engine(output.device, name)
 
     def run() -> None:
-        flat_in = torch.cat([t.reshape(-1) for t in ins]) if ins else output.new_empty(0)
-        with _flat(output) as out, engine.transport_op(name):
-            engine.reduce_scatter(out, flat_in, op)
+        with _flat(output) as out, _flats(ins, write_back=False) as flat_ins, engine.transport_op(name):
+            engine.reduce_scatter(out, flat_ins, op)
 
-    return _submit(g, name, run, async_op, debug.signature(name, output, op))
+    return g.submit(name, run, async_op, debug.signature(name, output, op), [output])
 
 
 def reduce_scatter_tensor(
@@ -303,24 +259,24 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` (``n`` equal chunks) across ranks; group rank ``i`` gets chunk ``i`` in ``output``."""
     name = "reduce_scatter_tensor"
-    g, op = _resolve(group), ReduceOp.coerce(op)
+    g, op = get_group(group), ReduceOp.coerce(op)
     _check_tensor(output, name, "output")
     _check_tensor(input, name, "input")
     _check_same(input, output, name, "input", numel=False)
     check_op_dtype(op, output.dtype, name)
-    if input.numel() != g.size * output.numel():
+    if input.numel() != g.size() * output.numel():
         raise ValueError(
-            f"{name}: input has {input.numel()} elements; expected world size {g.size} x output "
-            f"{output.numel()} = {g.size * output.numel()}"
+            f"{name}: input has {input.numel()} elements; expected world size {g.size()} x output "
+            f"{output.numel()} = {g.size() * output.numel()}"
         )
     _check_async(async_op, name)
-    engine = _engine(g, output, name)
+    engine = g.engine(output.device, name)
 
     def run() -> None:
         with _flat(output) as out, _flat(input, write_back=False) as inp, engine.transport_op(name):
-            engine.reduce_scatter(out, inp, op)
+            engine.reduce_scatter(out, _pieces(inp, g.size()), op)
 
-    return _submit(g, name, run, async_op, debug.signature(name, output, op))
+    return g.submit(name, run, async_op, debug.signature(name, output, op), [output])
 
 
 def scatter(
@@ -332,19 +288,19 @@ def scatter(
 ) -> Work | None:
     """Global rank ``src`` sends ``scatter_list[i]`` to group rank ``i``, which receives it in ``tensor``."""
     name = "scatter"
-    g = _resolve(group)
+    g = get_group(group)
     _check_tensor(tensor, name)
     root = g.group_rank(src, "src", name)
-    if g.rank == root:
+    if g.rank() == root:
         if scatter_list is None:
             raise ValueError(f"{name}: the source rank {src} must pass scatter_list")
-        pieces = _check_list(scatter_list, name, "scatter_list", g.size, tensor)
+        pieces = _check_list(scatter_list, name, "scatter_list", g.size(), tensor)
     else:
         if scatter_list:
             raise ValueError(f"{name}: only the source rank {src} passes scatter_list")
         pieces = None
     _check_async(async_op, name)
-    engine = _engine(g, tensor, name)
+    engine = g.engine(tensor.device, name)
 
     def run() -> None:
         with contextlib.ExitStack() as stack:
@@ -353,7 +309,7 @@ def scatter(
             stack.enter_context(engine.transport_op(name))
             engine.scatter(out, flat_pieces, root)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, root=root))
+    return g.submit(name, run, async_op, debug.signature(name, tensor, root=root), [tensor])
 
 
 def gather(
@@ -365,19 +321,19 @@ def gather(
 ) -> Work | None:
     """Every rank sends ``tensor`` to global rank ``dst``, which stores group rank ``i``'s in ``gather_list[i]``."""
     name = "gather"
-    g = _resolve(group)
+    g = get_group(group)
     _check_tensor(tensor, name)
     root = g.group_rank(dst, "dst", name)
-    if g.rank == root:
+    if g.rank() == root:
         if gather_list is None:
             raise ValueError(f"{name}: the destination rank {dst} must pass gather_list")
-        outs = _check_list(gather_list, name, "gather_list", g.size, tensor)
+        outs = _check_list(gather_list, name, "gather_list", g.size(), tensor)
     else:
         if gather_list:
             raise ValueError(f"{name}: only the destination rank {dst} passes gather_list")
         outs = None
     _check_async(async_op, name)
-    engine = _engine(g, tensor, name)
+    engine = g.engine(tensor.device, name)
 
     def run() -> None:
         with contextlib.ExitStack() as stack:
@@ -386,7 +342,7 @@ def gather(
             stack.enter_context(engine.transport_op(name))
             engine.gather(inp, flat_outs, root)
 
-    return _submit(g, name, run, async_op, debug.signature(name, tensor, root=root))
+    return g.submit(name, run, async_op, debug.signature(name, tensor, root=root), outs or [])
 
 
 def all_to_all(
@@ -401,20 +357,20 @@ def all_to_all(
     ``j`` sends.
     """
     name = "all_to_all"
-    g = _resolve(group)
+    g = get_group(group)
     if not isinstance(input_tensor_list, (list, tuple)) or not input_tensor_list:
         raise TypeError(f"{name}: input_tensor_list must be a non-empty list of tensors")
     like = _check_tensor(input_tensor_list[0], name, "input_tensor_list[0]")
     for what, ts in (("input_tensor_list", input_tensor_list), ("output_tensor_list", output_tensor_list)):
-        if not isinstance(ts, (list, tuple)) or len(ts) != g.size:
-            raise ValueError(f"{name}: {what} must be a list of {g.size} tensors (one per rank)")
+        if not isinstance(ts, (list, tuple)) or len(ts) != g.size():
+            raise ValueError(f"{name}: {what} must be a list of {g.size()} tensors (one per rank)")
         for i, t in enumerate(ts):
             _check_tensor(t, name, f"{what}[{i}]")
             _check_same(t, like, name, f"{what}[{i}]", numel=False)
-    if output_tensor_list[g.rank].numel() != input_tensor_list[g.rank].numel():
-        raise ValueError(f"{name}: output_tensor_list[{g.rank}] must match input_tensor_list[{g.rank}] in size")
+    if output_tensor_list[g.rank()].numel() != input_tensor_list[g.rank()].numel():
+        raise ValueError(f"{name}: output_tensor_list[{g.rank()}] must match input_tensor_list[{g.rank()}] in size")
     _check_async(async_op, name)
-    engine = _engine(g, like, name)
+    engine = g.engine(like.device, name)
     outs, ins = list(output_tensor_list), list(input_tensor_list)
 
     def run() -> None:
@@ -422,7 +378,7 @@ def all_to_all(
             with engine.transport_op(name):
                 engine.all_to_all(flat_outs, flat_ins)
 
-    return _submit(g, name, run, async_op, debug.signature(name, like))
+    return g.submit(name, run, async_op, debug.signature(name, like), outs)
 
 
 def all_to_all_single(
@@ -435,7 +391,7 @@ def all_to_all_single(
 ) -> Work | None:
     """All-to-all on single tensors split along dim 0 (equal splits unless sizes are given)."""
     name = "all_to_all_single"
-    g = _resolve(group)
+    g = get_group(group)
     _check_tensor(input, name, "input")
     _check_tensor(output, name, "output")
     _check_same(output, input, name, "output", numel=False)
@@ -443,11 +399,11 @@ def all_to_all_single(
         raise ValueError(f"{name}: input and output need at least one dimension to split")
     if output.shape[1:] != input.shape[1:]:
         raise ValueError(f"{name}: input and output differ beyond dim 0: {tuple(input.shape)} vs {tuple(output.shape)}")
-    in_splits = _splits(input, input_split_sizes, g.size, name, "input")
-    out_splits = _splits(output, output_split_sizes, g.size, name, "output")
+    in_splits = _splits(input, input_split_sizes, g.size(), name, "input")
+    out_splits = _splits(output, output_split_sizes, g.size(), name, "output")
     _check_async(async_op, name)
     row = input[0].numel() if input.shape[0] else int(torch.Size(input.shape[1:]).numel())
-    engine = _engine(g, input, name)
+    engine = g.engine(input.device, name)
 
     def run() -> None:
         with _flat(output) as out, _flat(input, write_back=False) as inp:
@@ -456,7 +412,7 @@ def all_to_all_single(
             with engine.transport_op(name):
                 engine.all_to_all(outs, ins)
 
-    return _submit(g, name, run, async_op, debug.signature(name, input))
+    return g.submit(name, run, async_op, debug.signature(name, input), [output])
 
 
 def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, op_name: str, what: str) -> list[int]:
@@ -475,12 +431,12 @@ def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, op_name: str, 
 def barrier(group: Group | None = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None:
     """Block until every rank of the group has entered the barrier (``device_ids`` is ignored)."""
     name = "barrier"
-    g = _resolve(group)
+    g = get_group(group)
     _check_async(async_op, name)
-    engine = g.host_engine() if g.backend != "nccl-cupy" else g.engine(torch.device("cuda", torch.cuda.current_device()), name)
+    engine = g.barrier_engine(name)
 
     def run() -> None:
         with engine.transport_op(name):
             engine.barrier()
 
-    return _submit(g, name, run, async_op, debug.signature(name, None))
+    return g.submit(name, run, async_op, debug.signature(name, None), [])

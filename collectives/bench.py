@@ -38,6 +38,8 @@ import torch
 import torch.distributed as tdist
 
 from . import api, ring
+from .backends import backend_argument, describe_backends, device_type_of
+from .engine import AlgorithmEngine, Engine
 from .group import Group, get_default_group, new_group
 from .launch import launch
 
@@ -118,9 +120,9 @@ class _Case:
             return torch.empty(0)
         return self.out.clone()
 
-    def wire(self, engine: Any) -> bool:
-        """The ring exchanges of this op without reduction; False if the op has no wire row."""
-        if self.op not in ("all_reduce", "reduce_scatter"):
+    def wire(self, engine: Engine) -> bool:
+        """The ring exchanges of this op without reduction; False if the op (or the engine) has no wire row."""
+        if self.op not in ("all_reduce", "reduce_scatter") or not isinstance(engine, AlgorithmEngine):
             return False
         bounds = ring.balanced_bounds(self.count, self.n)
         seg = max(1, engine.tuning.segment_bytes // self.work.element_size())
@@ -154,16 +156,18 @@ def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[],
 def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Group, Callable[[], Any]]:
     """The device, the reference group (torch's collectives) and a device sync for ``backend``.
 
-    ``p2p``: CPU tensors, torch's collectives on the same gloo group. ``nccl-cupy``: rank ``r``
-    on ``cuda:r % device_count``, torch's collectives on a new torch NCCL group.
+    A CPU backend (``p2p``, ...): CPU tensors, torch's collectives on the same gloo group. A CUDA
+    one (``nccl-cupy``): rank ``r`` on ``cuda:r % device_count``, torch's collectives on a new
+    torch NCCL group.
     """
-    if backend == "p2p":
+    if device_type_of(backend) == "cpu":
         return torch.device("cpu"), new_group(backend="torch"), lambda: None
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     world = get_default_group()
     nccl = tdist.new_group(backend="nccl")
-    return device, Group(nccl, world.ranks, "torch", world.timeout, "torch-nccl"), torch.cuda.synchronize
+    reference = Group(nccl, world.ranks, "torch", world.timeout, "torch-nccl", store=world.store, hosts=world.hosts)
+    return device, reference, torch.cuda.synchronize
 
 
 def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
@@ -227,7 +231,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
                     rows.append(row)
                     log.info("%s", format_row(row))
-    if backend != "p2p":
+    if device.type != "cpu":
         reference.close()  # built here, not registered with destroy_process_group
     return rows
 
@@ -279,10 +283,10 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m collectives.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="p2p", choices=("p2p", "nccl-cupy"),
-                   help="p2p: CPU tensors, ours over gloo send/recv vs torch's gloo collectives; "
-                        "nccl-cupy: CUDA tensors (rank r on cuda:r %% device count), ours over CuPy NCCL "
-                        "send/recv vs torch's NCCL collectives")
+    p.add_argument("--backend", default="p2p", type=backend_argument,
+                   help="ours on this backend vs torch's collectives: CPU backends (p2p, or package.module:name "
+                        "for your own) against gloo; CUDA ones (nccl-cupy; rank r on cuda:r %% device count) "
+                        "against torch's NCCL. " + describe_backends().replace("%", "%%"))
     p.add_argument("--ops", default="all_reduce", help=f"comma list or 'all' ({','.join(OPS)})")
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--dtypes", default="float32", help=f"comma list of {','.join(DTYPES)}")
@@ -307,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in ops if o not in OPS] + [d for d in args.dtypes.split(",") if d not in DTYPES]
     if bad:
         p.error(f"unknown op/dtype: {bad}")
-    if args.backend == "nccl-cupy" and not torch.cuda.is_available():
-        p.error("--backend nccl-cupy needs CUDA: a CUDA build of torch, a visible GPU and CuPy "
-                "(pip install 'ringddp[cuda]'); this torch sees no GPU")
+    if device_type_of(args.backend) == "cuda" and not torch.cuda.is_available():
+        p.error(f"--backend {args.backend} needs CUDA: a CUDA build of torch, a visible GPU (and for nccl-cupy "
+                "CuPy: pip install 'ringddp[cuda]'); this torch sees no GPU")
     sizes, s = [], _parse_size(args.min_bytes)
     while s <= _parse_size(args.max_bytes):
         sizes.append(s)

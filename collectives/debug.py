@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -22,8 +22,19 @@ from .ops import ReduceOp
 if TYPE_CHECKING:
     from .group import Group
 
-Signature = tuple[str, str, int, tuple[int, ...], str, int]
-_FIELDS = 6
+class Signature(NamedTuple):
+    """What one rank's call of a collective looks like (``"-"`` / ``-1`` where not applicable)."""
+
+    name: str
+    dtype: str
+    numel: int
+    shape: tuple[int, ...]
+    op: str
+    root: int
+    nbytes: int  # payload size, for traces; not compared (numel and dtype are)
+
+
+_FIELDS = 6  # name .. root are compared across ranks
 
 
 def enabled() -> bool:
@@ -32,18 +43,20 @@ def enabled() -> bool:
 
 def signature(name: str, tensor: torch.Tensor | None, op: ReduceOp | None = None, root: int = -1) -> Signature:
     if tensor is None:
-        return (name, "-", 0, (), "-", root)
-    return (name, str(tensor.dtype), tensor.numel(), tuple(tensor.shape), op.name if op else "-", root)
+        return Signature(name, "-", 0, (), "-", root, 0)
+    numel = tensor.numel()
+    return Signature(
+        name, str(tensor.dtype), numel, tuple(tensor.shape), op.name if op else "-", root, numel * tensor.element_size()
+    )
 
 
 def _encode(sig: Signature) -> torch.Tensor:
-    name, dtype, numel, shape, op, root = sig
     h = lambda s: zlib.crc32(str(s).encode())  # noqa: E731 - stable across processes, unlike hash()
-    return torch.tensor([h(name), h(dtype), numel, h(shape), h(op), root], dtype=torch.int64)
+    return torch.tensor([h(sig.name), h(sig.dtype), sig.numel, h(sig.shape), h(sig.op), sig.root], dtype=torch.int64)
 
 
 def describe(sig: Signature) -> str:
-    name, dtype, numel, shape, op, root = sig
+    name, dtype, numel, shape, op, root = sig[:_FIELDS]
     parts = [name]
     if dtype != "-":
         parts.append(f"dtype={dtype} shape={list(shape)} numel={numel}")
@@ -57,18 +70,19 @@ def describe(sig: Signature) -> str:
 def check_agreement(group: "Group", sig: Signature) -> None:
     """All-gather every rank's signature and raise ``ValueError`` on any difference."""
     mine = _encode(sig)
-    gathered = torch.empty(group.size * _FIELDS, dtype=torch.int64)
-    engine = group.host_engine()  # CPU metadata, also when the payloads are CUDA tensors
-    with engine.transport_op(f"{sig[0]} (debug check)"):
-        engine.all_gather(gathered, mine)
-    rows = gathered.view(group.size, _FIELDS)
-    mismatched = [r for r in range(group.size) if not torch.equal(rows[r], rows[group.rank])]
+    n, rank = group.size(), group.rank()
+    gathered = torch.empty(n * _FIELDS, dtype=torch.int64)
+    engine = group.metadata_engine()  # CPU metadata, also when the payloads are CUDA tensors
+    with engine.transport_op(f"{sig.name} (debug check)"):
+        engine.all_gather(list(gathered.split(_FIELDS)), mine)
+    rows = gathered.view(n, _FIELDS)
+    mismatched = [r for r in range(n) if not torch.equal(rows[r], rows[rank])]
     if mismatched:
         # Each rank only knows its own readable signature; the codes tell which fields differ.
         fields = ["collective", "dtype", "numel", "shape", "op", "root"]
         diffs = sorted({fields[i] for r in mismatched for i in range(_FIELDS) if rows[r, i] != mine[i]})
         raise ValueError(
-            f"{sig[0]}: ranks disagree on {', '.join(diffs)} (RINGDDP_DEBUG check). This rank "
-            f"({group.rank}) called {describe(sig)}; ranks {mismatched} called something else"
-            + (f" (numel {[int(rows[r, 2]) for r in range(group.size)]})" if "numel" in diffs else "")
+            f"{sig.name}: ranks disagree on {', '.join(diffs)} (RINGDDP_DEBUG check). This rank "
+            f"({rank}) called {describe(sig)}; ranks {mismatched} called something else"
+            + (f" (numel {[int(rows[r, 2]) for r in range(n)]})" if "numel" in diffs else "")
         )

@@ -1,18 +1,24 @@
 """Engines: what runs a collective once the public API has checked and flattened its arguments.
 
-Every method takes contiguous 1-D tensors. Two engines share this shape:
+:class:`Engine` is the contract between ``api.py`` and a backend. Two implementations ship:
 
 * :class:`AlgorithmEngine` — our algorithms (``ring.py``, ``tree.py``, ``direct.py``) over any
   :class:`~collectives.transport.base.Transport`. It also picks the algorithm by message size.
+  A backend that supplies only a transport (``register_backend(..., make_transport=...)``) gets
+  this engine.
 * :class:`TorchEngine` — torch's own collectives on the same process group: the reference
   backend, used as the oracle in tests and the baseline in benchmarks.
+
+Each engine serves one group on one device, runs on that group's communication thread (one call
+at a time), and owns its scratch buffers (a :class:`~collectives.buffers.Workspace`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import ContextManager, Sequence
+import datetime
+from typing import ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -22,9 +28,66 @@ from .buffers import Workspace
 from .ops import ReduceOp, finish
 from .transport.base import Transport
 
+#: the ``algorithm=`` choices of all_reduce, broadcast and reduce.
 ALL_REDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling")
 BROADCAST_ALGORITHMS = ("auto", "chain", "binomial")
 REDUCE_ALGORITHMS = ("auto", "ring", "binomial")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Runs the collectives of one group on one device.
+
+    The contract, for every method:
+
+    * Tensors are contiguous 1-D buffers on the engine's device, of one dtype, already checked by
+      ``api.py`` (sizes agree, dtype/op supported). Ranks (``src``, ``dst``, ``peer``) are ranks
+      *within the group*, ``0 .. size-1``.
+    * Every rank of the group calls the same method with matching sizes, in the same order.
+    * Results are written in place and are identical on every rank; AVG is SUM then one division
+      by the group size (:func:`~collectives.ops.finish`).
+    * Blocking waits end by the group's timeout with a
+      :class:`~collectives.errors.CollectiveError` naming the collective and the peer.
+    """
+
+    def transport_op(self, name: str) -> ContextManager[None]:
+        """Label the traffic inside the block with the collective's name (for error messages)."""
+
+    def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
+        """Reduce ``buf`` across ranks in place; ``algorithm`` is one of ``ALL_REDUCE_ALGORITHMS``."""
+
+    def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
+        """Copy ``buf`` of rank ``src`` into ``buf`` everywhere (``BROADCAST_ALGORITHMS``)."""
+
+    def reduce(self, buf: torch.Tensor, dst: int, op: ReduceOp, algorithm: str) -> None:
+        """Reduce onto rank ``dst`` in place; ``buf`` on the other ranks stays unchanged."""
+
+    def all_gather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
+        """``outs[i]`` receives rank ``i``'s ``inp``. ``outs`` may be consecutive views of one buffer."""
+
+    def reduce_scatter(self, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
+        """Reduce ``ins[i]`` across ranks into ``out`` of rank ``i`` (``ins`` is left unchanged)."""
+
+    def scatter(self, out: torch.Tensor, pieces: Sequence[torch.Tensor] | None, src: int) -> None:
+        """Rank ``src`` sends ``pieces[i]`` to rank ``i``'s ``out`` (``pieces`` is None elsewhere)."""
+
+    def gather(self, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int) -> None:
+        """Rank ``dst`` receives rank ``i``'s ``inp`` into ``outs[i]`` (``outs`` is None elsewhere)."""
+
+    def all_to_all(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
+        """Send ``ins[j]`` to rank ``j``, receive rank ``j``'s piece into ``outs[j]`` (sizes may differ)."""
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        """Send ``buf`` to rank ``peer``; messages to one peer arrive in the order sent."""
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        """Receive the next message from rank ``peer`` into ``buf`` (sizes must match)."""
+
+    def close(self) -> None:
+        """Release the engine's resources; it is unusable afterwards."""
 
 
 @dataclasses.dataclass
@@ -48,20 +111,40 @@ class Tuning:
     depth: int = 4
 
 
+def as_one_buffer(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``parts`` as one flat tensor if they are consecutive views of one buffer, else ``None``.
+
+    ``all_gather_into_tensor`` hands its output this way, so the engine gathers in place; the
+    output list of ``all_gather`` is usually separate tensors and is staged.
+    """
+    if not parts:
+        return None
+    first = parts[0]
+    storage, itemsize, at = first.untyped_storage().data_ptr(), first.element_size(), first.data_ptr()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != storage or p.data_ptr() != at:
+            return None
+        at += p.numel() * itemsize
+    total = sum(p.numel() for p in parts)
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
 class AlgorithmEngine:
-    """Collectives built from the point-to-point calls of one transport."""
+    """Collectives built from the point-to-point calls of one transport.
 
-    def __init__(self, transport: Transport, workspace: Workspace, tuning: Tuning):
+    Args:
+        transport: the wire; its ranks are the group's ranks.
+        tuning: the group's :class:`Tuning`, shared and read at every call.
+        device: the device of the tensors (scratch buffers live there).
+    """
+
+    def __init__(self, transport: Transport, tuning: Tuning, device: torch.device):
         self.transport = transport
-        self.workspace = workspace
         self.tuning = tuning
-
-    @property
-    def name(self) -> str:
-        return type(self.transport).__name__
+        self.device = torch.device(device)
+        self.workspace = Workspace()
 
     def transport_op(self, name: str) -> ContextManager[None]:
-        """Label the traffic inside the block with the collective's name (for error messages)."""
         return self.transport.operation(name)
 
     def _segment_elems(self, buf: torch.Tensor) -> int:
@@ -88,13 +171,14 @@ class AlgorithmEngine:
             tree.binomial_broadcast(self.transport, buf, src)
 
     def reduce(self, buf: torch.Tensor, dst: int, op: ReduceOp, algorithm: str) -> None:
-        """Reduce onto ``dst``; ``buf`` on the other ranks is used as scratch."""
+        n, r = self.transport.world_size, self.transport.rank
+        if r != dst:  # the algorithms use the buffer as scratch off the root: work on a copy
+            buf = self.workspace.get("reduce-scratch", buf.numel(), buf.dtype, buf.device).copy_(buf)
         if algorithm == "auto":
             algorithm = "binomial" if self._is_small(buf) else "ring"
         if algorithm == "binomial":
             tree.binomial_reduce(self.transport, buf, dst, op, self.workspace)
             return
-        n, r = self.transport.world_size, self.transport.rank
         bounds = ring.balanced_bounds(buf.numel(), n)
         ring.reduce_scatter(self.transport, buf, bounds, op, self.workspace, self._segment_elems(buf), self.tuning.depth)
         chunks = [buf[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -102,18 +186,33 @@ class AlgorithmEngine:
         if r == dst:
             finish(op, buf, n)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, inp.numel()
+        out = as_one_buffer(outs)
+        if out is None:  # separate output tensors: gather into staging, then copy out
+            out = self.workspace.get("all-gather", n * m, inp.dtype, inp.device)
+            self._all_gather(out, inp, n, r, m)
+            for i, o in enumerate(outs):
+                o.copy_(out[i * m : (i + 1) * m])
+        else:
+            self._all_gather(out, inp, n, r, m)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, n: int, r: int, m: int) -> None:
         if self._is_small(out):  # one round of direct exchanges instead of n - 1 ring steps
             direct.all_to_all(self.transport, [out[i * m : (i + 1) * m] for i in range(n)], [inp] * n)
             return
         out[r * m : (r + 1) * m].copy_(inp)
         ring.all_gather(self.transport, out, [i * m for i in range(n + 1)], self._segment_elems(out), self.tuning.depth)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
+    def reduce_scatter(self, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, out.numel()
-        work = self.workspace.get("reduce-scatter", inp.numel(), inp.dtype, inp.device)
-        work.copy_(inp)
+        work = self.workspace.get("reduce-scatter", n * m, out.dtype, out.device)
+        source = as_one_buffer(ins)
+        if source is not None:
+            work.copy_(source)
+        else:
+            for i, piece in enumerate(ins):
+                work[i * m : (i + 1) * m].copy_(piece)
         ring.reduce_scatter(
             self.transport, work, [i * m for i in range(n + 1)], op, self.workspace,
             self._segment_elems(work), self.tuning.depth,
@@ -131,10 +230,17 @@ class AlgorithmEngine:
         direct.all_to_all(self.transport, outs, ins)
 
     def barrier(self) -> None:
-        direct.barrier(self.transport, self.workspace.get("barrier", 2, torch.uint8, torch.device("cpu")))
+        direct.barrier(self.transport, self.workspace.get("barrier", 2, torch.uint8, self.device))
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self.transport.send(buf, peer)
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self.transport.recv(buf, peer)
 
     def close(self) -> None:
         self.transport.close()
+        self.workspace.clear()
 
 
 class TorchEngine:
@@ -143,12 +249,12 @@ class TorchEngine:
     gloo has no AVG, so AVG runs as SUM followed by one division, exactly as we define AVG.
     """
 
-    name = "torch"
-
-    def __init__(self, process_group: dist.ProcessGroup, rank: int, world_size: int):
+    def __init__(self, process_group: dist.ProcessGroup, timeout: float):
         self.pg = process_group
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = process_group.rank()
+        self.world_size = process_group.size()
+        self.timeout = timeout
+        self.workspace = Workspace()
 
     def transport_op(self, name: str) -> ContextManager[None]:
         return contextlib.nullcontext()
@@ -167,16 +273,18 @@ class TorchEngine:
         dist.broadcast(buf, self._global(src), group=self.pg)
 
     def reduce(self, buf: torch.Tensor, dst: int, op: ReduceOp, algorithm: str) -> None:
+        if self.rank != dst:  # gloo leaves partial results in non-root buffers: reduce a copy
+            buf = self.workspace.get("reduce-scratch", buf.numel(), buf.dtype, buf.device).copy_(buf)
         dist.reduce(buf, self._global(dst), self._reduce_op(op), group=self.pg)
         if self.rank == dst:
             finish(op, buf, self.world_size)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_gather(list(out.chunk(self.world_size)), inp, group=self.pg)
+    def all_gather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
+        dist.all_gather(list(outs), inp, group=self.pg)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
+    def reduce_scatter(self, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
         # gloo implements neither reduce_scatter nor AVG: all-reduce a copy, keep our chunk.
-        full = inp.clone()
+        full = torch.cat(list(ins))
         dist.all_reduce(full, self._reduce_op(op), group=self.pg)
         m = out.numel()
         out.copy_(full[self.rank * m : (self.rank + 1) * m])
@@ -192,7 +300,7 @@ class TorchEngine:
         # gloo's all_to_all takes one tensor each way; pack, exchange, unpack.
         sizes = [t.numel() for t in ins]
         out_sizes = [t.numel() for t in outs]
-        send = torch.cat(list(ins)) if ins else ins
+        send = torch.cat(list(ins))
         recv = torch.empty(sum(out_sizes), dtype=outs[0].dtype, device=outs[0].device)
         dist.all_to_all_single(recv, send, out_sizes, sizes, group=self.pg)
         for o, piece in zip(outs, recv.split(out_sizes)):
@@ -201,5 +309,11 @@ class TorchEngine:
     def barrier(self) -> None:
         dist.barrier(group=self.pg)
 
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self.pg.send([buf], peer, 0).wait(datetime.timedelta(seconds=self.timeout))
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self.pg.recv([buf], peer, 0).wait(datetime.timedelta(seconds=self.timeout))
+
     def close(self) -> None:
-        pass
+        self.workspace.clear()

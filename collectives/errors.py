@@ -3,10 +3,13 @@
 Argument problems are reported with the built-in ``ValueError`` / ``TypeError`` before any
 message is sent. Communication problems (a peer that stops answering, a dead peer, a closed
 connection) raise :class:`CollectiveError`; a wait that runs past its deadline raises
-:class:`CollectiveTimeoutError`. Both name the collective and the peer rank involved.
+:class:`CollectiveTimeoutError`. Both name the collective and the peer rank involved. Deadlines
+are given as seconds or ``timedelta`` everywhere (:func:`timeout_seconds`).
 """
 
 from __future__ import annotations
+
+import datetime
 
 
 class CollectiveError(RuntimeError):
@@ -25,3 +28,12 @@ class CollectiveError(RuntimeError):
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """A blocking wait inside a collective ran past its deadline."""
+
+
+def timeout_seconds(timeout: datetime.timedelta | float | None, default: float | None = None) -> float | None:
+    """A timeout given as seconds or a ``timedelta``, in seconds; ``None`` gives ``default``."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)

@@ -1,74 +1,70 @@
 """Process groups: who takes part in a collective, over which backend, with which deadline.
 
 A :class:`Group` wraps a torch process group (used for rendezvous and as the point-to-point wire)
-and adds what our collectives need: the backend choice, a FIFO communication queue, reusable
-buffers, a timeout, and a "broken" flag set by the first communication failure.
+and adds what our collectives need: the backend (see :mod:`collectives.backends`), one engine per
+device, a FIFO communication queue, a timeout, a store private to the group, a host key per rank,
+and a "broken" flag set by the first communication failure.
 
-Backends (``backend=`` argument, or the ``RINGDDP_BACKEND`` environment variable):
-
-=============  ===========================================================================
-``auto``       (default) ``p2p`` for CPU tensors, ``nccl-cupy`` for CUDA tensors
-``p2p``        our algorithms over torch point-to-point (gloo) — CPU tensors
-``nccl-cupy``  our algorithms over NCCL send/recv through CuPy — CUDA tensors
-``torch``      torch.distributed's own collectives: the reference, for tests and benchmarks
-=============  ===========================================================================
-
-``gloo`` and ``nccl`` are accepted as aliases of ``p2p`` and ``nccl-cupy`` so code written for
-``torch.distributed.init_process_group`` works unchanged.
+Backends are chosen by name (``backend=`` argument, or the ``RINGDDP_BACKEND`` environment
+variable; default ``auto``): ``p2p`` (alias ``gloo``), ``nccl-cupy`` (alias ``nccl``), ``torch``,
+or any registered with :func:`collectives.register_backend`.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
-from typing import Sequence
+import socket
+import time
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
-from .buffers import Workspace
-from .engine import AlgorithmEngine, TorchEngine, Tuning
-from .errors import CollectiveError, CollectiveTimeoutError
-from .transport.torch_p2p import TorchP2PTransport
-from .work import Executor
+from . import debug, mailbox, trace
+from .backends import AUTO, Backend, get_backend, resolve_backend, select_backend
+from .engine import Engine, Tuning
+from .errors import CollectiveError, CollectiveTimeoutError, timeout_seconds
+from .work import Executor, Work
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "p2p", "nccl-cupy", "torch")
-_ALIASES = {"gloo": "p2p", "nccl": "nccl-cupy", "cupy": "nccl-cupy", "reference": "torch"}
 #: torch's default for CPU process groups.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+_CPU = torch.device("cpu")
 
 
-def resolve_backend(backend: str | None) -> str:
-    """Normalise a backend name; ``None`` means ``$RINGDDP_BACKEND`` or ``auto``."""
-    name = backend if backend is not None else os.environ.get("RINGDDP_BACKEND", "auto")
-    name = _ALIASES.get(name.lower(), name.lower())
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS} (or gloo / nccl)")
-    return name
-
-
-def _seconds(timeout: datetime.timedelta | float | None) -> float:
-    if timeout is None:
-        return DEFAULT_TIMEOUT.total_seconds()
-    if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    return float(timeout)
+def host_key() -> str:
+    """``hostname/boot id/device of /dev/shm``: equal exactly for processes that can share memory."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("-")
+    try:
+        parts.append(str(os.stat("/dev/shm").st_dev))
+    except OSError:
+        parts.append("-")
+    return "/".join(parts)
 
 
 class Group:
-    """A set of ranks that run collectives together.
+    """A set of ranks that run collectives together (like torch's ``ProcessGroup``).
 
     Attributes:
         ranks: global ranks of the members, sorted; group rank ``i`` is global rank ``ranks[i]``.
-        rank: this process's rank within the group.
-        size: number of members.
-        backend: resolved backend name.
+        name: a label for messages and traces (``"world"``, ``"group[0, 1]"``).
+        backend: canonical backend name (``"auto"``, ``"p2p"``, ...).
         timeout: seconds any single wait inside a collective may block.
         tuning: algorithm thresholds and pipelining (:class:`~collectives.engine.Tuning`); change
             them identically on every rank, between collectives.
+        process_group: the torch process group used as the wire and for rendezvous.
+        store: a torch ``Store`` private to this group (keys cannot clash with other groups').
+        hosts: a host key per group rank (:func:`host_key`); equal keys share memory.
     """
 
     def __init__(
@@ -78,22 +74,39 @@ class Group:
         backend: str,
         timeout: float,
         name: str,
+        *,
+        store: dist.Store,
+        hosts: Sequence[str],
     ):
         self.process_group = process_group
         self.ranks = list(ranks)
-        self.rank = process_group.rank()
-        self.size = len(self.ranks)
         self.backend = backend
         self.timeout = timeout
         self.name = name
-        self.workspace = Workspace()
         self.tuning = Tuning()
-        self.executor = Executor(name)
-        self.broken: str | None = None
-        self._engines: dict[str, AlgorithmEngine | TorchEngine] = {}
+        self.store = store
+        self.hosts = list(hosts)
+        self._rank = process_group.rank()
+        self._executor = Executor(name)
+        self._broken: str | None = None
+        self._selected: dict[tuple[str, str], Backend] = {}
+        self._engines: dict[tuple[str, torch.device], Engine] = {}
 
     def __repr__(self) -> str:
-        return f"Group({self.name!r}, ranks={self.ranks}, rank={self.rank}, backend={self.backend!r})"
+        return f"Group({self.name!r}, ranks={self.ranks}, rank={self._rank}, backend={self.backend!r})"
+
+    def rank(self) -> int:
+        """This process's rank within the group."""
+        return self._rank
+
+    def size(self) -> int:
+        """The number of members."""
+        return len(self.ranks)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group is unusable (the first communication failure), or ``None``."""
+        return self._broken
 
     def group_rank(self, global_rank: int, what: str, op_name: str) -> int:
         """Map a global ``src``/``dst`` rank to this group, or raise ``ValueError``."""
@@ -103,58 +116,109 @@ class Group:
             raise ValueError(f"{op_name}: {what}={global_rank} is not a rank of this group (ranks {self.ranks})")
         return self.ranks.index(global_rank)
 
-    def engine(self, device: torch.device, op_name: str) -> AlgorithmEngine | TorchEngine:
-        """The engine that runs collectives on tensors of ``device`` (created on first use)."""
-        kind = self.backend
-        if kind == "auto":
-            kind = "nccl-cupy" if device.type == "cuda" else "p2p"
-        if kind == "p2p" and device.type != "cpu":
-            raise ValueError(
-                f"{op_name}: the p2p (gloo) backend moves CPU tensors only, got a {device.type} tensor; "
-                "use backend='nccl-cupy' (pip install ringddp[cuda]) or 'auto'"
-            )
-        if kind == "nccl-cupy" and device.type != "cuda":
-            raise ValueError(f"{op_name}: the nccl-cupy backend moves CUDA tensors only, got {device.type}")
-        key = f"{kind}:{device}"
+    # ------------------------------------------------------------------------ engines
+
+    def _select(self, name: str, device_type: str, op_name: str) -> Backend:
+        key = (name, device_type)
+        if key not in self._selected:
+            self._selected[key] = select_backend(name, device_type, self, op_name)
+        return self._selected[key]
+
+    def _engine(self, backend: Backend, device: torch.device) -> Engine:
+        key = (backend.name, device)
         engine = self._engines.get(key)
         if engine is None:
-            engine = self._make_engine(kind, device)
-            self._engines[key] = engine
+            engine = self._engines[key] = backend.build(self, device)
+            log.debug("group %s: %s engine on %s", self.name, backend.name, device)
         return engine
 
-    def host_engine(self) -> AlgorithmEngine | TorchEngine:
-        """An engine for small CPU metadata (debug checks), whatever device the payloads live on.
+    def engine(self, device: torch.device, op_name: str) -> Engine:
+        """The engine that runs collectives on tensors of ``device`` (built on first use).
 
-        With the NCCL backend this is our algorithms over the group's gloo process group.
+        Raises ``ValueError`` (before any traffic) if the backend cannot move such tensors.
         """
-        kind = "torch" if self.backend == "torch" else "p2p"
-        key = f"{kind}:cpu"
-        if key not in self._engines:
-            self._engines[key] = self._make_engine(kind, torch.device("cpu"))
-        return self._engines[key]
+        return self._engine(self._select(self.backend, device.type, op_name), device)
 
-    def _make_engine(self, kind: str, device: torch.device) -> AlgorithmEngine | TorchEngine:
-        if kind == "torch":
-            return TorchEngine(self.process_group, self.rank, self.size)
-        if kind == "p2p":
-            transport = TorchP2PTransport(self.process_group, self.rank, self.timeout)
-        else:
-            from .transport.cupy_nccl import CupyNcclTransport
+    def metadata_engine(self) -> Engine:
+        """The CPU engine for small metadata (debug checks), whatever device payloads live on."""
+        name = self.backend if self.backend == AUTO else resolve_backend(get_backend(self.backend).metadata())
+        return self._engine(self._select(name, "cpu", "metadata"), _CPU)
 
-            transport = CupyNcclTransport.create(self.process_group, self.rank, self.timeout, device)
-        return AlgorithmEngine(transport, self.workspace, self.tuning)
+    def barrier_engine(self, op_name: str = "barrier") -> Engine:
+        """Where barriers run: the backend's own engine if it asks for that, else the metadata engine."""
+        if self.backend != AUTO:
+            backend = get_backend(self.backend)
+            if backend.barrier_on_device:
+                kind = backend.device_types[0]
+                device = _CPU if kind == "cpu" else torch.device(kind, getattr(torch, kind).current_device())
+                return self.engine(device, op_name)
+        return self.metadata_engine()
+
+    # ------------------------------------------------------------------------ running collectives
+
+    def submit(
+        self,
+        name: str,
+        fn: Callable[[], None],
+        async_op: bool,
+        signature: debug.Signature,
+        result: list[torch.Tensor] | None = None,
+    ) -> Work | None:
+        """Run ``fn`` on the group's FIFO queue (now, or on the communication thread if async).
+
+        Refuses to start on a broken group; a :class:`CollectiveError` inside ``fn`` breaks it.
+        Under ``RINGDDP_DEBUG`` every rank's ``signature`` is compared first; while tracing, the
+        call is recorded. ``result``: the output tensors, the value of the returned
+        :class:`Work`'s future.
+        """
+        if self._broken is not None:
+            raise CollectiveError(f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name)
+        label = trace.current_label()  # read on the submitting thread
+
+        def run() -> None:
+            tracer = trace.active()
+            start = time.perf_counter_ns() if tracer is not None else 0
+            try:
+                mailbox.settle(self)  # receives posted by irecv take their messages before ours
+                if debug.enabled():
+                    debug.check_agreement(self, signature)
+                fn()
+            except CollectiveError as exc:
+                self._mark_broken(exc)
+                raise
+            finally:
+                if tracer is not None:
+                    args = {"op": name, "group": self.name, "bytes": signature.nbytes, "async": async_op}
+                    tracer.add(label or name, "collective", start, time.perf_counter_ns(), args)
+
+        if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
+            log.debug("%s on %s (rank %d)", debug.describe(signature), self.name, self._rank)
+        work = self._executor.submit(Work(name, result), run, async_op)
+        return work if async_op else None
+
+    def _mark_broken(self, error: CollectiveError) -> None:
+        """Record the first communication failure; the group refuses further collectives."""
+        if self._broken is None:
+            self._broken = str(error)
+            log.error("group %s is unusable after: %s", self.name, error)
 
     def close(self) -> None:
-        self.executor.close()
+        self._executor.close()
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()
-        self.workspace.clear()
+
+
+def _exchange_hosts(store: dist.Store, rank: int, size: int) -> list[str]:
+    """Every rank's :func:`host_key`, through the store (one set and one multi-get per rank)."""
+    store.set(f"ringddp/host/{rank}", host_key())
+    return [v.decode() for v in store.multi_get([f"ringddp/host/{r}" for r in range(size)])]
 
 
 _world: Group | None = None
 _owns_torch_group = False
 _subgroups: list[Group] = []
+_created = itertools.count()
 
 
 def init_process_group(
@@ -180,7 +244,7 @@ def init_process_group(
     if _world is not None:
         raise RuntimeError("init_process_group: already initialised; call destroy_process_group first")
     name = resolve_backend(backend)
-    seconds = _seconds(timeout)
+    seconds = timeout_seconds(timeout, DEFAULT_TIMEOUT.total_seconds())
     if not dist.is_initialized():
         try:
             dist.init_process_group(
@@ -199,9 +263,11 @@ def init_process_group(
                 op="init_process_group",
             ) from exc
         _owns_torch_group = True
-    pg = dist.group.WORLD
-    _world = Group(pg, range(dist.get_world_size()), name, seconds, "world")
-    log.debug("rank %d/%d joined the default group (backend %s)", _world.rank, _world.size, name)
+    pg, size = dist.group.WORLD, dist.get_world_size()
+    store = _get_default_store()
+    hosts = _exchange_hosts(store, pg.rank(), size)
+    _world = Group(pg, range(size), name, seconds, "world", store=store, hosts=hosts)
+    log.debug("rank %d/%d joined the default group (backend %s)", _world.rank(), size, name)
     return _world
 
 
@@ -237,7 +303,8 @@ def get_default_group() -> Group:
     return _world
 
 
-def _resolve(group: Group | None) -> Group:
+def get_group(group: Group | None = None) -> Group:
+    """``group``, or the default group when ``None``; ``TypeError`` for anything else."""
     g = get_default_group() if group is None else group
     if not isinstance(g, Group):
         raise TypeError(f"group must be a collectives Group (from new_group), got {type(g).__name__}")
@@ -246,11 +313,12 @@ def _resolve(group: Group | None) -> Group:
 
 def get_rank(group: Group | None = None) -> int:
     """This process's rank in ``group`` (default: the default group)."""
-    return _resolve(group).rank
+    return get_group(group).rank()
 
 
 def get_world_size(group: Group | None = None) -> int:
-    return _resolve(group).size
+    """The number of ranks in ``group`` (default: the default group)."""
+    return get_group(group).size()
 
 
 def new_group(
@@ -264,21 +332,19 @@ def new_group(
     collective then means the default group, so guard calls with ``if g is not None``.
     """
     world = get_default_group()
-    members = sorted(set(range(world.size) if ranks is None else ranks))
-    bad = [r for r in members if not 0 <= r < world.size]
+    members = sorted(set(range(world.size()) if ranks is None else ranks))
+    bad = [r for r in members if not 0 <= r < world.size()]
     if bad or not members:
-        raise ValueError(f"new_group: ranks {list(ranks or [])} must be a non-empty subset of 0..{world.size - 1}")
-    seconds = _seconds(timeout) if timeout is not None else world.timeout
+        raise ValueError(f"new_group: ranks {list(ranks or [])} must be a non-empty subset of 0..{world.size() - 1}")
+    name = resolve_backend(backend) if backend else world.backend
+    seconds = timeout_seconds(timeout, world.timeout)
     pg = dist.new_group(members, timeout=datetime.timedelta(seconds=seconds), backend="gloo")
-    if world.rank not in members:
+    prefix = f"ringddp/group{next(_created)}/"  # every world rank calls new_group: same count everywhere
+    if world.rank() not in members:
         return None
-    g = Group(pg, members, resolve_backend(backend) if backend else world.backend, seconds, f"group{members}")
+    store = dist.PrefixStore(prefix, world.store)
+    hosts = [world.hosts[r] for r in members]
+    g = Group(pg, members, name, seconds, f"group{members}", store=store, hosts=hosts)
     _subgroups.append(g)
     return g
 
-
-def mark_broken(group: Group, error: CollectiveError) -> None:
-    """Record the first communication failure; the group refuses further collectives."""
-    if group.broken is None:
-        group.broken = str(error)
-        log.error("group %s is unusable after: %s", group.name, error)

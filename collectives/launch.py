@@ -16,6 +16,7 @@ collectives already initialised, and returns the list of results (index = rank).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
@@ -26,9 +27,13 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
+
+from .errors import timeout_seconds
 
 log = logging.getLogger(__name__)
+
+_STORE_TIMEOUT = 1800.0  # seconds the rendezvous store waits when no timeout is given
 
 
 class LaunchError(RuntimeError):
@@ -119,12 +124,46 @@ def join_local(rank: int, size: int, port: int, backend: str | None, timeout, le
     from .group import init_process_group
 
     configure_logging(rank, level)
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds or 1800))
+    seconds = timeout_seconds(timeout, _STORE_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds))
     init_process_group(backend, timeout=timeout, world_size=size, rank=rank, store=store)
 
 
-def send_report(conn, report: tuple) -> None:
+@dataclasses.dataclass
+class Report:
+    """What a rank tells its parent, sent as one pickled message.
+
+    ``status`` is ``"ok"`` (``value`` holds the result), ``"ready"`` (a pool rank started),
+    ``"error"`` (``error`` is the exception, or None if it cannot be pickled; ``traceback`` its
+    text) or ``"died"`` (made up by the parent for a rank that exited silently; ``exitcode``).
+    """
+
+    status: str
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+    exitcode: int | None = None
+
+    @classmethod
+    def failure(cls, exc: BaseException) -> "Report":
+        """An ``"error"`` report of ``exc``, being handled now."""
+        tb = traceback.format_exc()
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - any pickling failure: send the text only
+            return cls("error", traceback=tb)
+        return cls("error", error=exc, traceback=tb)
+
+    def describe(self, rank: int) -> str:
+        """One line: how rank ``rank`` failed."""
+        if self.status == "died":
+            code = self.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            return f"rank {rank} died without reporting ({how})"
+        return f"rank {rank} raised {self.traceback.strip().splitlines()[-1]}"
+
+
+def send_report(conn: mp.connection.Connection, report: Report) -> None:
     """Send a report to the parent by value.
 
     Plain pickle, not multiprocessing's: that one ships tensors as shared-memory handles, which
@@ -133,18 +172,15 @@ def send_report(conn, report: tuple) -> None:
     conn.send_bytes(pickle.dumps(report))
 
 
-def read_report(conn) -> tuple:
-    return pickle.loads(conn.recv_bytes())
-
-
-def error_report(exc: BaseException) -> tuple:
-    """A picklable ("error", exception-or-None, traceback text) report of ``exc``."""
-    tb = traceback.format_exc()
+def read_report(conn: mp.connection.Connection, proc: mp.process.BaseProcess) -> Report:
+    """The report of rank process ``proc``, or a ``"died"`` one if it exited without a word."""
     try:
-        pickle.dumps(exc)
-        return ("error", exc, tb)
-    except Exception:
-        return ("error", None, tb)
+        if conn.poll(0.5):
+            return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        pass
+    proc.join(5)
+    return Report("died", exitcode=proc.exitcode)
 
 
 def _child(fn, rank, size, args, backend, timeout, port, level, conn) -> None:
@@ -156,27 +192,26 @@ def _child(fn, rank, size, args, backend, timeout, port, level, conn) -> None:
             result = fn(rank, size, *args)
         finally:
             destroy_process_group()
-        send_report(conn, ("ok", result))
+        send_report(conn, Report("ok", result))
     except BaseException as exc:  # report everything, then exit non-zero
-        send_report(conn, error_report(exc))
+        send_report(conn, Report.failure(exc))
         conn.close()
         os._exit(1)
     conn.close()
 
 
-def start_store(size: int, timeout) -> "dist.TCPStore":
+def start_store(size: int, timeout: datetime.timedelta | float | None) -> "dist.TCPStore":
     """The rendezvous store, hosted by this process on 127.0.0.1 with an OS-chosen free port."""
     import torch.distributed as dist
 
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     return dist.TCPStore(
         "127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=seconds or 1800),
+        timeout=datetime.timedelta(seconds=timeout_seconds(timeout, _STORE_TIMEOUT)),
     )
 
 
 def _launch_local(fn, size, args, backend, timeout, join_timeout, level) -> list[Any]:
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    seconds = timeout_seconds(timeout)
     store = start_store(size, timeout)
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -192,8 +227,8 @@ def _launch_local(fn, size, args, backend, timeout, join_timeout, level) -> list
         procs.append(p)
         conns.append(parent_end)
     results: list[Any] = [None] * size
-    reported: dict[int, tuple] = {}
-    failures: list[tuple[float, int, tuple]] = []  # (when, rank, report)
+    reported: dict[int, Report] = {}
+    failures: list[tuple[int, Report]] = []  # in order of arrival
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     grace = None  # once a rank failed, the others get this long to notice and stop
     try:
@@ -209,40 +244,29 @@ def _launch_local(fn, size, args, backend, timeout, join_timeout, level) -> list
                 if rank in reported:
                     continue
                 if conns[rank] in ready or procs[rank].sentinel in ready:
-                    report = _read_report(conns[rank], procs[rank])
+                    report = read_report(conns[rank], procs[rank])
                     reported[rank] = report
-                    if report[0] == "ok":
-                        results[rank] = report[1]
+                    if report.status == "ok":
+                        results[rank] = report.value
                     else:
-                        failures.append((time.monotonic(), rank, report))
+                        failures.append((rank, report))
                         if grace is None:
                             grace = time.monotonic() + _grace_seconds(seconds)
     finally:
         # Ranks that reported success are finishing their interpreter shutdown: let them.
-        _stop(procs, exit_grace=5.0 if len(reported) == size and not failures else 0.0)
+        stop_ranks(procs, exit_grace=5.0 if len(reported) == size and not failures else 0.0)
         store = None
     missing = [r for r in range(size) if r not in reported]
     if not failures and not missing:
         return results
-    _raise_failure(failures, missing, join_timeout if deadline and not failures else None)
-    return results  # unreachable
+    raise_failure(failures, missing, join_timeout if deadline and not failures else None)
 
 
 def _grace_seconds(timeout: float | None) -> float:
     return 15.0 if timeout is None else min(15.0, timeout + 5.0)
 
 
-def _read_report(conn, proc) -> tuple:
-    try:
-        if conn.poll(0.5):
-            return read_report(conn)
-    except (EOFError, OSError):
-        pass
-    proc.join(5)
-    return ("died", proc.exitcode)
-
-
-def _stop(procs, exit_grace: float = 0.0) -> None:
+def stop_ranks(procs: list[mp.process.BaseProcess], exit_grace: float = 0.0) -> None:
     """Stop every rank: wait up to ``exit_grace`` seconds for a clean exit, then terminate, then kill."""
     deadline = time.monotonic() + exit_grace
     for p in procs:
@@ -257,25 +281,27 @@ def _stop(procs, exit_grace: float = 0.0) -> None:
             p.join()
 
 
-def _raise_failure(failures, missing, timed_out) -> None:
-    failures.sort(key=lambda f: f[0])
-    lines = []
-    for _, rank, report in failures:
-        if report[0] == "died":
-            code = report[1]
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            lines.append(f"rank {rank} died without reporting ({how})")
-        else:
-            first_line = report[2].strip().splitlines()[-1]
-            lines.append(f"rank {rank} raised {first_line}")
+def raise_failure(failures: list[tuple[int, Report]], missing: list[int], timed_out: float | None) -> NoReturn:
+    """Raise the first failed rank's exception (with every rank's fate attached), else :class:`LaunchError`.
+
+    ``failures``: (rank, report) in the order they arrived; ``missing``: ranks that never
+    reported; ``timed_out``: the join timeout that stopped them, if that is why.
+    """
+    lines = [report.describe(rank) for rank, report in failures]
     if missing:
         lines.append(f"ranks {missing} were stopped" + (f" after the {timed_out}s join timeout" if timed_out else ""))
     summary = "; ".join(lines)
-    failed = [rank for _, rank, _ in failures]
-    first = failures[0] if failures else None
-    if first is not None and first[2][0] == "error" and first[2][1] is not None:
-        exc = first[2][1]
-        exc.add_note(f"[launch] {summary}\n[launch] traceback of rank {first[1]}:\n{first[2][2]}")
-        raise exc
-    detail = f"\ntraceback of rank {first[1]}:\n{first[2][2]}" if first and first[2][0] == "error" else ""
-    raise LaunchError(f"launch failed: {summary}{detail}", failed or missing)
+    first_rank, first = failures[0] if failures else (None, None)
+    if first is not None and first.error is not None:
+        _add_note(first.error, f"[launch] {summary}\n[launch] traceback of rank {first_rank}:\n{first.traceback}")
+        raise first.error
+    detail = f"\ntraceback of rank {first_rank}:\n{first.traceback}" if first and first.status == "error" else ""
+    raise LaunchError(f"launch failed: {summary}{detail}", [rank for rank, _ in failures] or missing)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; on Python 3.10, which has no notes, append it to the message."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])

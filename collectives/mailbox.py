@@ -32,7 +32,6 @@ import torch
 from .errors import CollectiveError
 from .ops import SUPPORTED_DTYPES
 from .transport.base import Request, Transport
-from .transport.torch_p2p import TorchP2PTransport
 
 if TYPE_CHECKING:
     from .group import Group

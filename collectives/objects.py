@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import api, p2p
-from .group import Group, _resolve, get_rank, get_world_size
+from .group import Group, get_group, get_rank, get_world_size
 
 
 def _to_tensor(obj: Any, device: torch.device) -> torch.Tensor:
@@ -75,7 +75,7 @@ def broadcast_object_list(
 ) -> None:
     """Replace ``object_list`` on every rank with the source rank's (same length on every rank)."""
     name = "broadcast_object_list"
-    g = _resolve(group)
+    g = get_group(group)
     root = _root(g, name, "src", src, group_src)
     _check_list(object_list, name, "object_list")
     dev = _device(g, device)
@@ -96,7 +96,7 @@ def broadcast_object_list(
 def all_gather_object(object_list: list[Any], obj: Any, group: Group | None = None) -> None:
     """``object_list[i]`` = the ``obj`` of group rank ``i``, on every rank."""
     name = "all_gather_object"
-    g = _resolve(group)
+    g = get_group(group)
     n = get_world_size(g)
     _check_list(object_list, name, "object_list", n)
     mine = _to_tensor(obj, _device(g, None))
@@ -131,7 +131,7 @@ def gather_object(
 ) -> None:
     """On the destination rank, ``object_gather_list[i]`` = the ``obj`` of group rank ``i``."""
     name = "gather_object"
-    g = _resolve(group)
+    g = get_group(group)
     root = _root(g, name, "dst", dst, group_dst)
     n, is_root = get_world_size(g), g.ranks[get_rank(g)] == root
     if is_root:
@@ -158,7 +158,7 @@ def scatter_object_list(
 ) -> None:
     """Group rank ``i`` gets the source's ``scatter_object_input_list[i]`` in ``scatter_object_output_list[0]``."""
     name = "scatter_object_list"
-    g = _resolve(group)
+    g = get_group(group)
     root = _root(g, name, "src", src, group_src)
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         raise ValueError(f"{name}: scatter_object_output_list must be a list of at least one element")
@@ -198,7 +198,7 @@ def send_object_list(
     ``use_batch`` is accepted for compatibility; the two messages are always sent in order.
     """
     name = "send_object_list"
-    g = _resolve(group)
+    g = get_group(group)
     _check_list(object_list, name, "object_list")
     p2p._check_peer(g, name, "dst", dst, group_dst)  # before pickling or any traffic
     dev = _device(g, device)
@@ -222,7 +222,7 @@ def recv_object_list(
     ``src`` is required: there is no any-source receive (see ``collectives.p2p``).
     """
     name = "recv_object_list"
-    g = _resolve(group)
+    g = get_group(group)
     _check_list(object_list, name, "object_list")
     p2p._check_peer(g, name, "src", src, group_src)
     dev = _device(g, device)

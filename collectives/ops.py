@@ -12,19 +12,17 @@ import enum
 import torch
 import torch.distributed as dist
 
-#: dtypes every collective accepts.
-SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.int8,
-        torch.uint8,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    }
+#: dtypes every collective accepts (a tuple: a fixed order keeps test case generation reproducible).
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
 )
 
 

@@ -38,7 +38,7 @@ import torch
 
 from . import api
 from .errors import CollectiveError, CollectiveTimeoutError
-from .group import Group, _resolve, get_rank, get_world_size, mark_broken
+from .group import Group, get_group, get_rank, get_world_size
 from .mailbox import Incoming, MessageMismatchError, header, mailbox
 from .transport.base import Request, Transport, wait_all
 from .transport.torch_p2p import TorchP2PTransport
@@ -80,7 +80,7 @@ class P2PWork(Work):
                         error = exc
                     except CollectiveError as exc:
                         error = exc
-                        mark_broken(self._group, exc)
+                        self._group._mark_broken(exc)
                 Work._finish(self, error)
         return super().wait(0)
 
@@ -158,7 +158,10 @@ def _wire(g: Group, tensor: torch.Tensor, name: str) -> Transport:
     """
     engine = g.engine(tensor.device, name)  # also checks that the backend takes this device
     if tensor.device.type != "cpu":
-        return engine.transport
+        transport = getattr(engine, "transport", None)
+        if transport is None:
+            raise ValueError(f"{name}: the {g.backend} backend has no transport for {tensor.device} tensors")
+        return transport
     box = mailbox(g)
     if "cpu" not in box.channels:
         box.channels["cpu"] = TorchP2PTransport(g.process_group, get_rank(g), g.timeout, tag=USER_TAG)
@@ -203,10 +206,10 @@ def _start(g: Group, name: str, post: Callable[[], None], work: Work, async_op: 
         try:
             post()
         except CollectiveError as exc:
-            mark_broken(g, exc)
+            g._mark_broken(exc)
             raise
 
-    g.executor.submit(work, run, async_op)
+    g._executor.submit(work, run, async_op)  # not g.submit: no collective agreement check
 
 
 def isend(
@@ -227,7 +230,7 @@ def send(
 
 
 def _send(tensor, dst, group, tag, group_dst, name: str, async_op: bool) -> P2PWork:
-    g = _resolve(group)
+    g = get_group(group)
     api._check_tensor(tensor, name)
     peer, _ = _check_peer(g, name, "dst", dst, group_dst)
     tag = _check_tag(tag, name)
@@ -262,7 +265,7 @@ def recv(
 
 
 def _recv(tensor, src, group, tag, group_src, name: str, async_op: bool) -> tuple[P2PWork, int]:
-    g = _resolve(group)
+    g = get_group(group)
     api._check_tensor(tensor, name)
     peer, source = _check_peer(g, name, "src", src, group_src)
     tag = _check_tag(tag, name)
@@ -312,7 +315,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     groups = {id(op.group) for op in p2p_op_list}
     if len(groups) != 1:
         raise ValueError(f"{name}: all ops must use the same group")
-    g = _resolve(p2p_op_list[0].group)
+    g = get_group(p2p_op_list[0].group)
     sends: list[tuple[torch.Tensor, int, int]] = []
     recs: list[Incoming] = []
     for op in p2p_op_list:

@@ -17,7 +17,9 @@ import logging
 import threading
 from typing import Callable
 
-from .errors import CollectiveTimeoutError
+import torch
+
+from .errors import CollectiveTimeoutError, timeout_seconds
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +27,9 @@ log = logging.getLogger(__name__)
 class Work:
     """Handle of a collective started with ``async_op=True`` (like torch's ``Work``)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, result: list[torch.Tensor] | None = None):
         self.name = name
+        self._result = result
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -36,7 +39,7 @@ class Work:
         ``timeout`` (seconds or timedelta) bounds this wait only; the collective's own
         communication deadline (the group's timeout) applies regardless.
         """
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        seconds = timeout_seconds(timeout)
         if not self._done.wait(seconds):
             raise CollectiveTimeoutError(f"{self.name}: Work.wait timed out after {seconds}s", op=self.name)
         if self._error is not None:

@@ -59,7 +59,7 @@ import torch
 from torch.utils.data import Dataset
 
 import collectives
-from collectives.group import Group, _resolve
+from collectives import Group, get_group
 
 from .sampler import global_order
 
@@ -239,11 +239,11 @@ class ScatterDataset(Dataset):
         epoch: int = 0,
     ) -> None:
         started = time.perf_counter()
-        g = _resolve(group)
+        g = get_group(group)
         self._group: Group | None = g
         self._ranks = list(g.ranks)
         #: this process's rank within the group
-        self.rank: int = g.rank
+        self.rank: int = g.rank()
         self.src = src
         self.shuffle = bool(shuffle)
         self.seed = seed
@@ -263,13 +263,13 @@ class ScatterDataset(Dataset):
             root = g.group_rank(src, "src", "ScatterDataset") if _is_int(src) else None
             if root is None:
                 raise _Rejected(_TYPE_ERROR, f"src must be an int rank, got {type(src).__name__} {src!r}")
-            if g.rank == root:
+            if g.rank() == root:
                 kind, keys, fields = _flatten(data)
                 n = fields[0].shape[0]
-                if self.drop_last and n < g.size:
+                if self.drop_last and n < g.size():
                     raise _Rejected(
                         _VALUE_ERROR,
-                        f"data has {n} rows, fewer than the {g.size} ranks: with drop_last=True every shard would be empty",
+                        f"data has {n} rows, fewer than the {g.size()} ranks: with drop_last=True every shard would be empty",
                     )
                 meta, key_bytes = _encode_meta(keys, fields)
                 header = [kind, len(fields), n, meta.numel(), key_bytes.numel()]
@@ -300,20 +300,20 @@ class ScatterDataset(Dataset):
         collectives.broadcast(meta, src, group=g)
         if keys_len:
             collectives.broadcast(key_bytes, src, group=g)
-        if g.rank != self._root:
+        if g.rank() != self._root:
             received += meta.nbytes + key_bytes.nbytes
         self._kind = kind
         self._specs = _decode_meta(meta, key_bytes, n_fields)
         self._keys = [key for key, _, _ in self._specs]
         self.num_rows = n_rows
-        self._table_bytes = (g.size - 1) * len(_COLUMNS) * 8
+        self._table_bytes = (g.size() - 1) * len(_COLUMNS) * 8
         received += self._table_bytes
         received += self._scatter()
         self._finish_round(received, started, "built")
         if 0 in self.shard_lengths():
             log.warning(
                 "ScatterDataset: %d rows over %d ranks leaves some shards empty (lengths %s)",
-                n_rows, g.size, self.shard_lengths(),
+                n_rows, g.size(), self.shard_lengths(),
             )
 
     # ------------------------------------------------------------------ protocol
@@ -327,15 +327,15 @@ class ScatterDataset(Dataset):
         """All-gather every rank's row; raise the same exception on every rank if anything is off."""
         g = self._group
         row = torch.tensor(mine, dtype=torch.int64)
-        table_t = torch.empty(g.size * len(_COLUMNS), dtype=torch.int64)
+        table_t = torch.empty(g.size() * len(_COLUMNS), dtype=torch.int64)
         collectives.all_gather_into_tensor(table_t, row, group=g)
-        table = table_t.view(g.size, len(_COLUMNS)).tolist()
-        failed = [r for r in range(g.size) if table[r][_COL["status"]] != _OK]
+        table = table_t.view(g.size(), len(_COLUMNS)).tolist()
+        failed = [r for r in range(g.size()) if table[r][_COL["status"]] != _OK]
         if failed:
             first = failed[0]
             length = torch.tensor([len(message.encode("utf-8"))], dtype=torch.int64)
             collectives.broadcast(length, g.ranks[first], group=g)
-            text = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8) if g.rank == first else None
+            text = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8) if g.rank() == first else None
             if text is None:
                 text = torch.empty(int(length.item()), dtype=torch.uint8)
             if text.numel():
@@ -345,7 +345,7 @@ class ScatterDataset(Dataset):
             others = f" [ranks {[g.ranks[r] for r in failed]} rejected their input]" if len(failed) > 1 else ""
             raise error(f"ScatterDataset: {who}: {bytes(text.tolist()).decode('utf-8')}{others}")
         for name in ("phase", "src", "seed", "epoch", "shuffle", "drop_last"):
-            values = [table[r][_COL[name]] for r in range(g.size)]
+            values = [table[r][_COL[name]] for r in range(g.size())]
             if len(set(values)) > 1:
                 if name == "phase":
                     what = {_CONSTRUCT: "construct a ScatterDataset", _SET_EPOCH: "call set_epoch"}
@@ -358,17 +358,17 @@ class ScatterDataset(Dataset):
     def _scatter(self) -> int:
         """Shard every field for ``self.epoch`` with one scatter each; returns bytes received here."""
         g, root = self._group, self._root
-        n, size = self.num_rows, g.size
-        order = global_order(n, self.shuffle, self.seed, self.epoch) if g.rank == root else None
+        n, size = self.num_rows, g.size()
+        order = global_order(n, self.shuffle, self.seed, self.epoch) if g.rank() == root else None
         total = (n // size) * size if self.drop_last else n
         per_rank = -(-total // size)  # rows in the longest shard; shorter ones get a padding row
-        mine = self.shard_lengths()[g.rank]
+        mine = self.shard_lengths()[g.rank()]
         received = 0
         fields: list[torch.Tensor] = []
         for i, (_, dtype, shape) in enumerate(self._specs):
             out = torch.empty((per_rank, *shape[1:]), dtype=dtype)
             pieces = None
-            if g.rank == root:
+            if g.rank() == root:
                 assert self._source is not None and order is not None
                 # position p of the sharded order lives on rank p % size, at row p // size.
                 positions = torch.arange(per_rank * size).view(per_rank, size).t()
@@ -379,7 +379,7 @@ class ScatterDataset(Dataset):
                 del picked
             collectives.scatter(out, pieces, src=self.src, group=g)
             del pieces
-            if g.rank != root:
+            if g.rank() != root:
                 received += out.nbytes
             fields.append(out[:mine] if mine < per_rank else out)
         self._fields = fields

@@ -84,6 +84,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import collectives
+from collectives.backends import backend_argument, describe_backends, device_type_of
 
 from .distributed import DistributedDataParallel
 
@@ -395,7 +396,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--steps", type=int, default=3, help="steps of each variant per round (default 3)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--backend", default="p2p", choices=["p2p", "torch"], help="backend of our collectives (default p2p)")
+    p.add_argument("--backend", default="p2p", type=backend_argument, help=f"backend of our collectives (default p2p): {describe_backends()}")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cpu_count // world size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any communication may block")
@@ -407,6 +408,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         p.error("--world-size, --width, --layers, --batch, --rounds and --steps must be >= 1, --warmup >= 0")
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be >= 1")
+    if device_type_of(a.backend) != "cpu":
+        p.error(f"--backend {a.backend}: this benchmark runs on CPU tensors")
     cfg = Config(
         world_size=a.world_size, width=a.width, layers=a.layers, batch=a.batch, bucket_mb=a.bucket_mb,
         first_bucket_mb=a.first_bucket_mb, warmup=a.warmup, rounds=a.rounds, steps=a.steps, lr=a.lr,

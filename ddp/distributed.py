@@ -78,7 +78,7 @@ import collectives
 from collectives import Group, ReduceOp, Work, trace
 
 from .bucket import BucketInfo, assign_buckets, cap_from_mb, format_bucket_table
-from .naive import broadcast_tensors, src_rank
+from .naive import broadcast_tensors
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be an nn.Module, got {type(module).__name__}")
         self.module = module
         self.process_group: Group = collectives.get_default_group() if group is None else group
-        self.world_size = self.process_group.size
+        self.world_size = self.process_group.size()
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -530,4 +530,4 @@ def _group_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["DistributedDataParallel", "ReductionStats", "src_rank"]
+__all__ = ["DistributedDataParallel", "ReductionStats"]

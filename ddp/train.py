@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import collectives
 from collectives import ReduceOp, trace
+from collectives.backends import backend_argument, describe_backends, device_type_of
 from data import DistributedSampler, ScatterDataset
 
 from .distributed import DistributedDataParallel
@@ -141,7 +142,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
         logging.getLogger("ddp").setLevel(logging.DEBUG)
     x_train, y_train, x_test, y_test = load_digits_split(cfg.seed)
     device = torch.device("cpu")
-    if cfg.backend == "nccl-cupy":  # one GPU per rank, data stays on the host until each batch
+    if device_type_of(cfg.backend) == "cuda":  # one GPU per rank, data stays on the host until each batch
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     x_test, y_test = x_test.to(device), y_test.to(device)
@@ -264,7 +265,7 @@ def _plot(path: str, epochs: list[dict[str, float]], cfg: Config) -> None:
 def parse_args(argv: list[str] | None = None) -> Config:
     p = argparse.ArgumentParser(prog="ringddp-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", "-n", type=int, default=2, help="local processes to start (default 2)")
-    p.add_argument("--backend", default="p2p", choices=["p2p", "torch", "nccl-cupy"], help="collectives backend")
+    p.add_argument("--backend", default="p2p", type=backend_argument, help=f"collectives backend: {describe_backends()}")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="rows per rank per micro-batch")
     p.add_argument("--lr", type=float, default=0.05)
@@ -281,11 +282,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     a = p.parse_args(argv)
     if a.world_size < 1 or a.epochs < 1 or a.batch_size < 1 or a.accum < 1:
         p.error("--world-size, --epochs, --batch-size and --accum must be >= 1")
-    if a.backend == "nccl-cupy":
+    if device_type_of(a.backend) == "cuda":
         if not torch.cuda.is_available():
-            p.error("--backend nccl-cupy needs CUDA GPUs (and pip install 'ringddp[cuda]')")
+            p.error(f"--backend {a.backend} needs CUDA GPUs (nccl-cupy: pip install 'ringddp[cuda]')")
         if a.data == "scatter":
-            p.error("--data scatter ships CPU tensors; use --data sampler with --backend nccl-cupy")
+            p.error(f"--data scatter ships CPU tensors; use --data sampler with --backend {a.backend}")
     return Config(
         world_size=a.world_size, backend=a.backend, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
         hidden=a.hidden, bucket_mb=a.bucket_mb, naive=a.naive, accum=a.accum, data=a.data, seed=a.seed,

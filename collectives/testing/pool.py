@@ -23,7 +23,7 @@ import multiprocessing.connection
 import time
 from typing import Any, Callable
 
-from ..launch import LaunchError, _raise_failure, _read_report, _stop, error_report, join_local, send_report, start_store
+from ..launch import LaunchError, Report, join_local, raise_failure, read_report, send_report, start_store, stop_ranks
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,9 @@ def _worker(rank: int, size: int, port: int, backend: str | None, timeout: float
 
     try:
         join_local(rank, size, port, backend, timeout, level)
-        send_report(conn, ("ready", None))
+        send_report(conn, Report("ready"))
     except BaseException as exc:
-        send_report(conn, error_report(exc))
+        send_report(conn, Report.failure(exc))
         return
     try:
         while True:
@@ -47,9 +47,9 @@ def _worker(rank: int, size: int, port: int, backend: str | None, timeout: float
                 return
             fn, args = job
             try:
-                send_report(conn, ("ok", fn(rank, size, *args)))
+                send_report(conn, Report("ok", fn(rank, size, *args)))
             except BaseException as exc:
-                send_report(conn, error_report(exc))
+                send_report(conn, Report.failure(exc))
     finally:
         destroy_process_group()
 
@@ -99,7 +99,7 @@ class WorkerPool:
             self._procs.append(p)
             self._conns.append(parent_end)
         reports = self._collect(self.timeout + 60)
-        if any(r[0] != "ready" for r in reports.values()) or len(reports) < self.world_size:
+        if any(r.status != "ready" for r in reports.values()) or len(reports) < self.world_size:
             self.close()
             raise LaunchError(f"WorkerPool: ranks failed to start: {reports}")
 
@@ -110,19 +110,18 @@ class WorkerPool:
         for conn in self._conns:
             conn.send((fn, args))
         reports = self._collect(self.job_timeout)
-        failures = [(0.0, r, rep) for r, rep in sorted(reports.items()) if rep[0] != "ok"]
+        failures = [(r, rep) for r, rep in sorted(reports.items()) if rep.status != "ok"]
         missing = [r for r in range(self.world_size) if r not in reports]
         if not failures and not missing:
-            return [reports[r][1] for r in range(self.world_size)]
-        if missing or any(rep[0] == "died" or _breaks_group(rep) for _, _, rep in failures):
-            log.warning("WorkerPool: restarting after a failed job (ranks %s)", [r for _, r, _ in failures] + missing)
+            return [reports[r].value for r in range(self.world_size)]
+        if missing or any(rep.status == "died" or _breaks_group(rep) for _, rep in failures):
+            log.warning("WorkerPool: restarting after a failed job (ranks %s)", [r for r, _ in failures] + missing)
             self.close()
-        _raise_failure(failures, missing, self.job_timeout if missing else None)
-        raise AssertionError("unreachable")
+        raise_failure(failures, missing, self.job_timeout if missing else None)
 
-    def _collect(self, timeout: float) -> dict[int, tuple]:
+    def _collect(self, timeout: float) -> dict[int, Report]:
         deadline = time.monotonic() + timeout
-        reports: dict[int, tuple] = {}
+        reports: dict[int, Report] = {}
         while len(reports) < self.world_size:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -133,7 +132,7 @@ class WorkerPool:
                 rank = pending[ready]
                 if rank in reports:
                     continue
-                reports[rank] = _read_report(self._conns[rank], self._procs[rank])
+                reports[rank] = read_report(self._conns[rank], self._procs[rank])
         return reports
 
     def close(self) -> None:
@@ -143,7 +142,7 @@ class WorkerPool:
                 conn.send(None)
             except (OSError, BrokenPipeError):
                 pass
-        _stop(self._procs, exit_grace=5.0)
+        stop_ranks(self._procs, exit_grace=5.0)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._store = [], [], None
@@ -155,7 +154,7 @@ class WorkerPool:
         self.close()
 
 
-def _breaks_group(report: tuple) -> bool:
+def _breaks_group(report: Report) -> bool:
     from ..errors import CollectiveError
 
-    return report[0] == "error" and (report[1] is None or isinstance(report[1], CollectiveError))
+    return report.status == "error" and (report.error is None or isinstance(report.error, CollectiveError))

@@ -14,7 +14,8 @@ import dataclasses
 import torch
 from hypothesis import strategies as st
 
-from ..ops import ReduceOp
+from ..engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
+from ..ops import SUPPORTED_DTYPES, ReduceOp
 
 COLLECTIVES = (
     "all_reduce",
@@ -30,17 +31,7 @@ COLLECTIVES = (
     "all_to_all_single",
 )
 REDUCING = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
-DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int8,
-    torch.uint8,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-)
+DTYPES = SUPPORTED_DTYPES
 #: how a tensor is laid out in memory: plain, a transposed view, every other element of a
 #: larger buffer, or a slice starting inside a larger buffer.
 LAYOUTS = ("contiguous", "transposed", "strided", "offset")
@@ -103,11 +94,11 @@ def cases(
         op = draw(reduce_ops(dtype)) if name in REDUCING else ReduceOp.SUM
         algorithm = "auto"
         if name == "all_reduce":
-            algorithm = draw(st.sampled_from(["auto", "ring", "recursive_doubling"]))
+            algorithm = draw(st.sampled_from(ALL_REDUCE_ALGORITHMS))
         elif name == "broadcast":
-            algorithm = draw(st.sampled_from(["auto", "chain", "binomial"]))
+            algorithm = draw(st.sampled_from(BROADCAST_ALGORITHMS))
         elif name == "reduce":
-            algorithm = draw(st.sampled_from(["auto", "ring", "binomial"]))
+            algorithm = draw(st.sampled_from(REDUCE_ALGORITHMS))
         return Case(
             collective=name,
             dtype=dtype,

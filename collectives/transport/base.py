@@ -55,9 +55,6 @@ class Request(abc.ABC):
 class Transport(abc.ABC):
     """Point-to-point messaging among the ``world_size`` ranks of one group."""
 
-    #: device type of the tensors this transport moves ("cpu", "cuda").
-    device_type: str = "cpu"
-
     def __init__(self, rank: int, world_size: int, timeout: float):
         self.rank = rank
         self.world_size = world_size

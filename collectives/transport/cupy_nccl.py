@@ -503,7 +503,6 @@ class CupyNcclTransport(Transport):
         runtime: the CUDA runtime seam (default :class:`TorchCudaRuntime` for ``device``).
     """
 
-    device_type = "cuda"
     #: sleep between polls of a pending operation grows from the first to the second (seconds).
     poll_interval = (50e-6, 1e-3)
 

@@ -8,12 +8,16 @@ algorithm can reduce one segment while the next ones are on the wire.
 from __future__ import annotations
 
 import datetime
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError, CollectiveTimeoutError
 from .base import Peer, Request, Transport
+
+if TYPE_CHECKING:
+    from ..group import Group
 
 
 class TorchP2PRequest(Request):
@@ -52,13 +56,16 @@ class TorchP2PTransport(Transport):
             point-to-point uses one, see ``collectives/mailbox.py``).
     """
 
-    device_type = "cpu"
-
     def __init__(self, process_group: dist.ProcessGroup, rank: int, timeout: float, tag: int = 0):
         super().__init__(rank, process_group.size(), timeout)
         self._pg = process_group
         self._tag = tag
         self.wait_timeout = datetime.timedelta(seconds=timeout)
+
+    @classmethod
+    def for_group(cls, group: "Group", device: torch.device) -> "TorchP2PTransport":
+        """The transport of a collectives group (the ``p2p`` backend's factory)."""
+        return cls(group.process_group, group.rank(), group.timeout)
 
     def error(self, exc: RuntimeError, kind: str, peer: Peer) -> CollectiveError:
         """Turn a gloo failure into an error naming the collective, the peer and this rank."""
