@@ -348,3 +348,9 @@ def new_group(
     _subgroups.append(g)
     return g
 
+
+def __getattr__(name: str) -> Group | None:
+    """``collectives.group.WORLD``: the default group when read (``None`` before init), like torch's."""
+    if name == "WORLD":
+        return _world
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
