@@ -24,12 +24,36 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import debug
+from . import api, debug, trace
+from .backends import resolve_backend
 from .errors import CollectiveTimeoutError, timeout_seconds
-from .group import Group, get_group, get_rank, get_world_size, new_group
+from .group import DEFAULT_TIMEOUT, Group, get_group, get_rank, get_world_size, new_group
+from .ops import ReduceOp
 
 #: torch's name for a group; ours is :class:`~collectives.group.Group`.
 ProcessGroup = Group
+
+#: torch's exceptions and rendezvous stores, re-exported: ours derive from them / accept them.
+DistError = dist.DistError
+DistBackendError = dist.DistBackendError
+DistNetworkError = dist.DistNetworkError
+DistStoreError = dist.DistStoreError
+QueueEmptyError = dist.QueueEmptyError
+Store = dist.Store
+TCPStore = dist.TCPStore
+FileStore = dist.FileStore
+HashStore = dist.HashStore
+PrefixStore = dist.PrefixStore
+
+#: default deadline of every wait (torch's, 30 minutes).
+default_pg_timeout = DEFAULT_TIMEOUT
+
+#: torch's other names for :func:`all_gather_into_tensor` and :func:`reduce_scatter_tensor`.
+all_gather_single = api.all_gather_into_tensor
+reduce_scatter_single = api.reduce_scatter_tensor
+
+#: torch's ``record_comm(name)``: label the collectives issued inside the block (traces, errors).
+record_comm = trace.label
 
 
 class _GroupMemberMeta(type):
@@ -157,6 +181,37 @@ def new_subgroups_by_enumeration(
     subgroups = [new_group(list(ranks), timeout=timeout, backend=backend) for ranks in ranks_per_subgroup_list]
     mine = next((g for g in subgroups if g is not None), None)
     return mine, subgroups
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank on its node: ``$LOCAL_RANK`` (set by torchrun), else ``fallback_rank``."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError("LOCAL_RANK is not in the environment and no fallback_rank was given")
+
+
+def get_pg_count() -> int:
+    """How many groups exist: the default group plus every subgroup this rank is a member of."""
+    from . import group as group_module
+
+    return (group_module.WORLD is not None) + len(group_module._subgroups)
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether ``backend`` names one of our backends (or an alias such as ``gloo``)."""
+    try:
+        resolve_backend(backend)
+    except (ValueError, TypeError, ImportError):
+        return False
+    return True
+
+
+def supports_complex(reduceOp: ReduceOp) -> bool:  # noqa: N803 - torch's parameter name
+    """Always ``False``: complex dtypes are not among the supported dtypes."""
+    ReduceOp.coerce(reduceOp)
+    return False
 
 
 def is_available() -> bool:

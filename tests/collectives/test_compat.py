@@ -135,3 +135,73 @@ def bad_monitored(rank, world_size):
 @pytest.mark.timeout(60)
 def test_monitored_barrier_bad_arguments(pools):
     assert pools(2).run(bad_monitored) == [["ValueError", "TypeError", "TypeError"]] * 2
+
+
+def misc(rank, world_size, lib):
+    """The small names, called the same way on both libraries."""
+    dist = LIBS[lib]
+    n = world_size
+    out = {}
+    inp = torch.arange(3.0) + 10 * rank
+    gathered = torch.zeros(3 * n)
+    dist.all_gather_single(gathered, inp)
+    out["all_gather_single"] = gathered.tolist()
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    out["work"] = isinstance(work, dist.Work) and work.wait()
+    with dist.record_comm("labelled"):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+    out["record_comm"] = t.item()
+    outs = [torch.zeros(2) for _ in range(n)]
+    if lib == "ours":
+        dist.all_to_all(outs, [torch.full((2,), float(10 * rank + j)) for j in range(n)])
+    else:  # gloo has no list all_to_all: the same exchange as one tensor
+        flat = torch.zeros(2 * n)
+        dist.all_to_all_single(flat, torch.cat([torch.full((2,), float(10 * rank + j)) for j in range(n)]))
+        outs = list(flat.split(2))
+    out["all_to_all"] = [o.tolist() for o in outs]
+    mine, groups = dist.new_subgroups_by_enumeration([[r] for r in range(n)])
+    out["by_enumeration"] = (dist.get_process_group_ranks(mine), len(groups))
+    out["node_local_rank"] = dist.get_node_local_rank(fallback_rank=rank)
+    out["available"] = (
+        dist.is_backend_available("gloo"),
+        dist.is_mpi_available(),
+        dist.is_ucc_available(),
+        dist.is_xccl_available(),
+        dist.is_nccl_available() and torch.cuda.is_available(),
+    )
+    return out
+
+
+def ours_only(rank, world_size):
+    """Names whose answer is ours by design (reduce_scatter: gloo has none to compare against)."""
+    n = world_size
+    out = torch.zeros(2)
+    collectives.reduce_scatter(out, [torch.full((2,), float(rank + j)) for j in range(n)])
+    single = torch.zeros(2)
+    collectives.reduce_scatter_single(single, torch.arange(2.0 * n) + rank)
+    expected_single = sum(torch.arange(2.0 * n) + r for r in range(n))[2 * rank : 2 * rank + 2]
+    return (
+        out.tolist() == [float(sum(r + rank for r in range(n)))] * 2,
+        single.tolist() == expected_single.tolist(),
+        collectives.get_backend() in collectives.backend_names(),
+        collectives.get_pg_count() >= 1,
+        collectives.supports_complex(collectives.ReduceOp.SUM) is False,
+        collectives.is_backend_available("no-such-backend") is False,
+        collectives.default_pg_timeout == tdist.default_pg_timeout,
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_small_names_match_torch(pools, world_size):
+    pool = pools(world_size)
+    assert pool.run(misc, "ours") == pool.run(misc, "torch")
+    assert all(all(flags) for flags in pool.run(ours_only))
+
+
+def test_reexported_torch_names_are_torchs():
+    for name in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "QueueEmptyError",
+                 "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore"):
+        assert getattr(collectives, name) is getattr(tdist, name)
+    collectives.destroy_process_group()  # not initialised here: a no-op, as in torch
