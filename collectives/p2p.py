@@ -1,31 +1,45 @@
 """Point-to-point for users: ``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``.
 
-The signatures are torch.distributed's; the messages go over *our* transport of the group (gloo
-point-to-point, NCCL through CuPy, ...), so they work on every backend, and through the group's
-FIFO queue, so they keep their place among the collectives issued before and after them::
+The signatures are torch.distributed's, and the messages go over our own transports, so they work
+on every backend::
 
     if rank == 0:
         dist.send(activations, dst=1)          # stage 0 of a pipeline
     else:
         dist.recv(activations, src=0)
 
+The wire (``_wire``):
+
+* **CPU tensors** (backends ``p2p``, ``torch``, and any CPU backend) travel on a *user channel*:
+  our gloo transport (``TorchP2PTransport``) on the group's process group with its own tag
+  (:data:`USER_TAG`). User messages therefore never meet collective messages, and a send and its
+  receive may sit at different places relative to the collectives of the two ranks (as in torch).
+* **CUDA tensors** (``nccl-cupy``) use the engine's NCCL transport, shared with the collectives
+  (NCCL has no tags): a pending ``irecv`` takes its message before the group's next collective
+  starts, so its sender must send before entering that collective. A single ``isend``/``irecv``
+  is an NCCL group of its own: two ranks exchanging messages must use ``batch_isend_irecv``
+  (as with NCCL in torch).
+
+Every call is *posted* through the group's FIFO queue, so it keeps its place after the
+collectives issued before it; ``wait`` then waits for the transfer itself.
+
 Differences from torch, all raised as errors rather than left to hang or corrupt:
 
 * **Tags are checked, not used to reorder.** Messages between two ranks are matched in the order
-  they are sent (the transports have no tags). Each message carries its tag, element count and
-  dtype in a small header (``collectives/mailbox.py``); if the receive that meets it asked for
-  another tag, size or dtype, the receiver raises :class:`~collectives.errors.CollectiveError`.
-  Code that relies on tags to pair messages sent in a different order than they are received
-  must send them in receive order.
+  they are sent. Each message carries its tag, element count and dtype in a small header
+  (``collectives/mailbox.py``); if the receive that meets it asked for another tag, size or
+  dtype, the receiver raises :class:`~collectives.mailbox.MessageMismatchError` (a
+  ``CollectiveError``), after draining the payload so the pair stays usable. Code that relies on
+  tags to pair messages sent in another order than they are received must send them in order.
 * **No any-source receive.** ``recv(tensor)`` without ``src`` / ``group_src`` raises
-  ``ValueError`` before any traffic; pass the sender's rank.
-* **The dtype must match** (torch only compares byte counts).
-* A receive started with ``irecv`` takes its message before the group's next collective starts,
-  so its sender must send before entering that collective.
-* On the ``nccl-cupy`` backend a single ``isend``/``irecv`` is an NCCL group of its own: two ranks
-  exchanging messages must use ``batch_isend_irecv`` (as with NCCL in torch).
+  ``ValueError`` before any traffic; pass the sender's rank. (The wire matches by sender and
+  order; an any-source receive would need a probe the transports do not have.)
+* **The dtype must match** (torch only compares byte counts). Non-contiguous tensors are
+  accepted (torch refuses them).
+* Bad peers (this rank, out of range, not an int) raise ``ValueError`` / ``TypeError`` before
+  any traffic, where torch may wait for its store timeout.
 
-Cost: one extra 24-byte message per user message (the header), ``2α + Sβ``.
+Cost: one extra 24-byte message per user message (the header): ``2α + Sβ``.
 """
 
 from __future__ import annotations
