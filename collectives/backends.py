@@ -67,9 +67,14 @@ class Backend:
 
     def build(self, group: Group, device: torch.device) -> Engine:
         """The engine of ``group`` on ``device``."""
-        if self.make_engine is not None:
-            return self.make_engine(group, device)
-        return AlgorithmEngine(self.make_transport(group, device), group.tuning, device)
+        if self.make_transport is not None:
+            return AlgorithmEngine(self.make_transport(group, device), group.tuning, device)
+        engine = self.make_engine(group, device)
+        if not isinstance(engine, Engine):
+            raise TypeError(
+                f"backend {self.name}: make_engine returned {type(engine).__name__}, which lacks Engine methods"
+            )
+        return engine
 
     def metadata(self) -> str:
         """The backend that carries this one's small CPU metadata."""
@@ -116,7 +121,9 @@ def register_backend(
         usable: ``(group) -> bool``: whether ``auto`` may pick the backend for ``group``
             (e.g. ``lambda g: len(set(g.hosts)) == 1``: all ranks on one host).
         description: one line for documentation and ``--help``.
-        replace: overwrite a backend of the same name instead of raising.
+        replace: overwrite a backend of the same name instead of raising. (Registering again from
+            the same lines of the same file, as when a script is imported both as ``__main__``
+            and by name, replaces silently.)
 
     Raises:
         ValueError: a name or alias already taken, an unknown device type, or not exactly one
@@ -131,20 +138,31 @@ def register_backend(
         raise ValueError(f"register_backend({name!r}): device types must be among {DEVICE_TYPES}, got {types}")
     if (make_transport is None) == (make_engine is None):
         raise ValueError(f"register_backend({name!r}): pass exactly one of make_transport and make_engine")
-    taken = [n for n in (name, *aliases) if n in _registry or n in _aliases]
-    if not replace:
-        if taken:
-            raise ValueError(f"register_backend: {taken} already registered; pass replace=True to overwrite")
-    elif name in _registry:
-        unregister_backend(name)
     record = Backend(
         name, types, make_transport, make_engine, tuple(a.lower() for a in aliases), metadata_backend,
         barrier_on_device, auto_priority, usable, description,
     )
+    if name in _registry and (replace or _same_source(_registry[name], record)):
+        unregister_backend(name)  # replaced, or the same file imported again (as __main__ and by name)
+    taken = [n for n in (name, *record.aliases) if n in _registry or n in _aliases]
+    if taken:
+        raise ValueError(f"register_backend: {taken} already registered; pass replace=True to overwrite")
     _registry[name] = record
     for alias in record.aliases:
         _aliases[alias] = name
     return record
+
+
+def _same_source(a: Backend, b: Backend) -> bool:
+    """Both records come from the same lines of the same file (a module imported twice)."""
+
+    def origin(f: object) -> object:
+        code = getattr(getattr(f, "__func__", f), "__code__", None)
+        return (code.co_filename, code.co_firstlineno) if code is not None else f
+
+    return a.device_types == b.device_types and origin(a.make_transport or a.make_engine) == origin(
+        b.make_transport or b.make_engine
+    )
 
 
 def unregister_backend(name: str) -> None:
@@ -194,16 +212,18 @@ def get_backend(name: str) -> Backend:
     return _registry[key]
 
 
-def select_backend(name: str, device_type: str, group: Group, op_name: str = "select_backend") -> Backend:
+def select_backend(name: str, device_type: str, group: Group | None, op_name: str = "select_backend") -> Backend:
     """The backend that runs ``group``'s collectives on ``device_type`` tensors.
 
     ``name`` is a canonical name (from :func:`resolve_backend`); ``auto`` picks the usable
-    candidate of highest priority. Raises ``ValueError`` if the backend cannot move such tensors.
+    candidate of highest priority (``usable`` predicates are skipped when ``group`` is None).
+    Raises ``ValueError`` if the backend cannot move such tensors.
     """
     if name == AUTO:
         candidates = [
             b for b in _registry.values()
-            if b.auto_priority is not None and device_type in b.device_types and (b.usable is None or b.usable(group))
+            if b.auto_priority is not None and device_type in b.device_types
+            and (b.usable is None or group is None or b.usable(group))
         ]
         if not candidates:
             raise ValueError(f"{op_name}: no backend moves {device_type} tensors (registered: {describe_backends()})")

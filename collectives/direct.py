@@ -67,7 +67,11 @@ def all_to_all(transport: Transport, outs: Sequence[torch.Tensor], ins: Sequence
 
 
 def barrier(transport: Transport, token: torch.Tensor) -> None:
-    """Dissemination barrier; ``token`` is a 1-element scratch tensor."""
+    """Dissemination barrier: in round ``k`` of ``⌈log2 n⌉``, send 1 byte to ``r + 2^k``, receive from ``r - 2^k``.
+
+    ``token`` is a 2-element scratch tensor on the transport's device: element 0 is sent,
+    element 1 receives.
+    """
     n, r = transport.world_size, transport.rank
     step = 1
     while step < n:

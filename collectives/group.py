@@ -132,7 +132,7 @@ class Group:
             log.debug("group %s: %s engine on %s", self.name, backend.name, device)
         return engine
 
-    def engine(self, device: torch.device, op_name: str) -> Engine:
+    def engine(self, device: torch.device, op_name: str = "engine") -> Engine:
         """The engine that runs collectives on tensors of ``device`` (built on first use).
 
         Raises ``ValueError`` (before any traffic) if the backend cannot move such tensors.
@@ -172,7 +172,9 @@ class Group:
         :class:`Work`'s future.
         """
         if self._broken is not None:
-            raise CollectiveError(f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name)
+            raise CollectiveError(
+                f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name
+            )
         label = trace.current_label()  # read on the submitting thread
 
         def run() -> None:
