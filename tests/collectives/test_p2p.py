@@ -267,3 +267,20 @@ def test_mismatch_is_an_error_not_a_hang(pools):
     assert total == 1.0 and len(errors) == 3
     assert "tag=1" in errors[0] and "expected tag=2" in errors[0]
     assert "numel=8" in errors[1] and "dtype=torch.int32" in errors[2]
+
+
+def reference_backend_job(rank, world_size):
+    """The torch (reference) backend has no transport of its own: p2p uses the user channel."""
+    assert collectives.get_backend() == "torch"
+    out = ring_exchange(rank, world_size, "ours", True)
+    objs = [None]
+    collectives.broadcast_object_list(objs if rank else [{"from": 0}], src=0)
+    return out, objs if rank else [{"from": 0}]
+
+
+@pytest.mark.timeout(120)
+def test_torch_backend():
+    results = collectives.launch(reference_backend_job, 3, backend="torch", timeout=30, join_timeout=100)
+    for rank, (out, objs) in enumerate(results):
+        assert out == _seq((rank - 1) % 3, dtype=torch.int64).tolist()
+        assert objs == [{"from": 0}]
