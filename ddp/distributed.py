@@ -69,7 +69,7 @@ import logging
 import time
 import weakref
 import zlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -78,6 +78,7 @@ import collectives
 from collectives import Group, ReduceOp, Work, trace
 
 from .bucket import BucketInfo, assign_buckets, cap_from_mb, format_bucket_table
+from .join import Join
 from .naive import broadcast_tensors
 
 log = logging.getLogger(__name__)
@@ -184,8 +185,11 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
         *,
         group: Group | None = None,
+        process_group: Group | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         broadcast_buffers: bool = True,
@@ -197,6 +201,10 @@ class DistributedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be an nn.Module, got {type(module).__name__}")
         self.module = module
+        _check_devices(module, device_ids, output_device)
+        if group is not None and process_group is not None:
+            raise ValueError("DistributedDataParallel: pass group or process_group (torch's name), not both")
+        group = process_group if group is None else group
         self.process_group: Group = collectives.get_default_group() if group is None else group
         self.world_size = self.process_group.size()
         self.broadcast_buffers = broadcast_buffers
@@ -250,6 +258,7 @@ class DistributedDataParallel(nn.Module):
                         p.grad = view
 
         # Per-backward state.
+        self._join: Join | None = None  # inside join(): the context to notify at each forward
         self._require_sync = True  # False inside no_sync()
         self._forward_sync = True  # _require_sync as it was at the last forward with grad enabled
         self._active = False  # a synchronised backward pass is under way
@@ -296,14 +305,17 @@ class DistributedDataParallel(nn.Module):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        src = None  # buffers come from the group's first rank; inside join() from the one notify names
         if torch.is_grad_enabled():
             self._forward_sync = self._require_sync
+            if self._join is not None:
+                src = self._join.notify(self._require_sync)
         with trace.span("forward", "ddp"):
             if self.broadcast_buffers:
                 buffers = list(self.module.buffers())
                 if buffers:
                     with trace.label("broadcast buffers"):
-                        broadcast_tensors(buffers, group=self.process_group)
+                        broadcast_tensors(buffers, src=src, group=self.process_group)
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -323,6 +335,17 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._require_sync = old
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Train on uneven inputs: ranks that run out of batches shadow the others (``ddp/join.py``)::
+
+            with model.join():
+                for x, y in loader:     # a different number of batches on each rank
+                    ...
+        """
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def remove_hooks(self) -> None:
         """Detach this wrapper from the module's parameters (gradients are no longer reduced)."""
@@ -522,6 +545,30 @@ def _make_hook(self_ref: "weakref.ref[DistributedDataParallel]", index: int):
             self._on_grad_ready(index, param)
 
     return hook
+
+
+def _check_devices(module: nn.Module, device_ids: object, output_device: object) -> None:
+    """torch's ``device_ids`` / ``output_device``: accepted when they name the module's one device.
+
+    Our DDP runs the module where its parameters are; these arguments only say so (as for a
+    single-device module in torch). ``DDP(model, device_ids=[rank])`` on a model moved to
+    ``cuda:rank`` works; on a CPU model, as in torch, they must be ``None``.
+    """
+    if device_ids is None and output_device is None:
+        return
+    devices = {p.device for p in module.parameters()} or {torch.device("cpu")}
+    if device_ids is not None and (not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1):
+        raise ValueError(f"DistributedDataParallel: device_ids must be None or a list of one device, got {device_ids!r}")
+    for what, d in (("device_ids[0]", device_ids[0] if device_ids else None), ("output_device", output_device)):
+        if d is None:
+            continue
+        device = torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else torch.device(d)
+        if devices != {device}:
+            raise ValueError(
+                f"DistributedDataParallel: {what}={d!r} but the module's parameters are on "
+                f"{sorted(map(str, devices))}; device_ids/output_device must name the module's one device "
+                "(None for a CPU module)"
+            )
 
 
 def _group_device(module: nn.Module) -> torch.device:

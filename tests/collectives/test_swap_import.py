@@ -74,7 +74,7 @@ def run_job(script: Path, world_size: int, timeout: float = 150.0) -> list[list[
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "name,world_size",
-    [("pipeline", 3), ("objects", 3), ("monitored", 3), ("subgroups", 4), ("annotated", 2)],
+    [("pipeline", 3), ("objects", 3), ("monitored", 3), ("subgroups", 4), ("annotated", 2), ("ddp_join", 3)],
 )
 def test_script_runs_unchanged_with_the_import_swapped(tmp_path, name, world_size):
     original = SCRIPTS / f"{name}.py"
