@@ -25,13 +25,21 @@ log = logging.getLogger(__name__)
 
 
 class Work:
-    """Handle of a collective started with ``async_op=True`` (like torch's ``Work``)."""
+    """Handle of a collective started with ``async_op=True`` (like torch's ``Work``).
+
+    Args:
+        name: the collective's name, for messages.
+        result: the tensors the collective writes (``get_future().value()``), like torch's
+            ``Work.result()``; ``None`` for collectives that produce nothing.
+    """
 
     def __init__(self, name: str, result: list[torch.Tensor] | None = None):
         self.name = name
-        self._result = result
+        self._result = [] if result is None else list(result)
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._future: torch.futures.Future | None = None
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Block until the collective finished; re-raise its error if it failed.
@@ -55,9 +63,42 @@ class Work:
     def exception(self) -> BaseException | None:
         return self._error
 
+    def result(self) -> list[torch.Tensor]:
+        """The tensors this collective writes (valid once it completed)."""
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` completed when the collective finishes, as torch's.
+
+        Its value is :meth:`result` (so ``fut.value()[0]`` is the reduced tensor of an
+        all-reduce); a failure is set as the future's exception, so ``fut.wait()`` raises the
+        collective's own error (a ``.then`` callback sees it wrapped in a ``RuntimeError``, as
+        torch does). Callbacks added with ``then`` run on the thread that completes the work,
+        usually the group's communication thread: keep them short, and never start a collective
+        in one (see ``ddp/comm_hooks.py``). Every call returns the same future.
+        """
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            future = self._future = torch.futures.Future()
+            done = self._done.is_set()
+        if done:  # finished before anyone asked: settle here (else _finish does)
+            self._settle(future)
+        return future
+
+    def _settle(self, future: torch.futures.Future) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._result)
+
     def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
+        with self._lock:
+            self._error = error
+            self._done.set()
+            future = self._future
+        if future is not None:  # outside the lock: callbacks may call get_future() again
+            self._settle(future)
 
 
 class Executor:

@@ -3,6 +3,7 @@
     python -m ddp.bench                                   # 2 ranks, 4 x 2048 MLP, 25 MiB buckets
     python -m ddp.bench --bucket-mb 25,5,inf --json ddp.json --plot ddp.png
     python -m ddp.bench --world-size 4 --width 1024 --layers 8 --batch 32
+    python -m ddp.bench --comm-hook none,fp16,bf16        # gradient compression, ours and torch's
 
 What runs
 ---------
@@ -15,6 +16,10 @@ one copy of it per *variant*, each with its own SGD optimizer:
 * ``ours <cap>``: :class:`ddp.DistributedDataParallel` with ``bucket_cap_mb=<cap>``, one variant
   per value of ``--bucket-mb`` (``inf``: a single bucket, i.e. no overlap at all);
 * ``local``: the bare model, same step, no communication: the floor every DDP row pays on top of.
+
+``--comm-hook`` (comma list of ``none``, ``allreduce``, ``fp16``, ``bf16``) repeats the two DDP
+kinds per comm hook: ours with ``ddp.comm_hooks.<hook>``, torch's with the same hook from
+``torch.distributed.algorithms.ddp_comm_hooks.default_hooks`` (``none``: no hook registered).
 
 A step is ``forward + MSE loss`` / ``loss.backward()`` / ``optimizer.step(); zero_grad()`` on a
 fixed synthetic batch (different on every rank). The variants are interleaved: a round runs
@@ -51,8 +56,14 @@ Reading the table
     compute slowed by the communication thread and the copies into buckets) adds to the
     backward pass. Compare the DDP rows on this column.
 ``vs torch``
-    torch DDP's step time / this row's step time: ``> 1`` is faster than torch DDP, ``< 1`` slower.
-    The local row's value is the ceiling any DDP could reach.
+    step time of torch DDP with the same comm hook / this row's step time: ``> 1`` is faster than
+    torch DDP, ``< 1`` slower. The local row's value (against torch without hook) is the ceiling
+    any DDP could reach.
+``MB/step``
+    gradient payload each rank hands to collectives per step (MiB). Ours is *measured*: one
+    extra step per variant runs under ``collectives.trace`` before the timing and the bytes of its
+    collectives are summed. Torch's is computed (gradient bytes, halved by fp16/bf16 hooks). With
+    a ring all-reduce each rank sends ``2(n-1)/n`` times this over the wire.
 
 ``sync`` is ``ok`` when every rank ended with bitwise identical parameters (checked after the
 timing), as data parallelism requires.
@@ -84,13 +95,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import collectives
+from collectives import trace
 from collectives.backends import backend_argument, describe_backends, device_type_of
 
+from . import comm_hooks
 from .distributed import DistributedDataParallel
 
 log = logging.getLogger("ddp.bench")  # not __name__: under "python -m" the ranks import this as __mp_main__
 
 PHASES = ("step", "forward", "backward", "optim")
+COMM_HOOKS = ("none", "allreduce", "fp16", "bf16")
+_COMPRESSED = {"fp16": 0.5, "bf16": 0.5}  # payload ratio of the compression hooks (float32 gradients)
+
+
+def _hooks(name: str) -> tuple[Any, Any]:
+    """(our hook, torch's hook) for a ``--comm-hook`` name; ``none`` registers none."""
+    if name == "none":
+        return None, None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ours = {"allreduce": comm_hooks.allreduce_hook, "fp16": comm_hooks.fp16_compress_hook, "bf16": comm_hooks.bf16_compress_hook}
+
+    def torch_bf16(process_group, bucket):  # type: ignore[no-untyped-def]  (torch checks the annotations)
+        # torch DDP refuses its bf16 hook *by name* unless NCCL is present; gloo runs it fine.
+        return default_hooks.bf16_compress_hook(process_group, bucket)
+
+    theirs = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook, "bf16": torch_bf16}
+    return ours[name], theirs[name]
 
 
 @dataclasses.dataclass
@@ -100,6 +131,7 @@ class Config:
     layers: int = 4
     batch: int = 64
     bucket_mb: tuple[float, ...] = (25.0,)
+    comm_hooks: tuple[str, ...] = ("none",)
     first_bucket_mb: float | None = None
     warmup: int = 1
     rounds: int = 10
@@ -132,8 +164,11 @@ def _mb_json(mb: float | None) -> float | str | None:
 class _Variant:
     """One model copy, its optimizer, and the per-step measurements of one rank."""
 
-    def __init__(self, key: str, name: str, kind: str, model: nn.Module, lr: float, bucket_mb: float | None = None):
-        self.key, self.name, self.kind, self.model, self.bucket_mb = key, name, kind, model, bucket_mb
+    def __init__(
+        self, key: str, name: str, kind: str, model: nn.Module, lr: float, bucket_mb: float | None = None, hook: str = "none"
+    ):
+        self.key, self.name, self.kind, self.model, self.bucket_mb, self.hook = key, name, kind, model, bucket_mb, hook
+        self.comm_bytes: int | None = None
         self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
         self.times: dict[str, list[float]] = {p: [] for p in PHASES}
         self.wait: list[float] = []
@@ -160,6 +195,16 @@ class _Variant:
                 self.launched.append(stats.launched_during_backward)
         return t3 - t0
 
+    def measure_comm_bytes(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One untimed step under tracing: the bytes handed to collectives (ours), or computed (torch)."""
+        if self.kind == "ours":
+            with trace.tracing() as tracer:
+                self.step(x, y, record=False)
+            self.comm_bytes = sum(e["args"].get("bytes", 0) for e in tracer.events if e["cat"] == "collective")
+        elif self.kind == "torch":
+            grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            self.comm_bytes = int(grad_bytes * _COMPRESSED.get(self.hook, 1.0))
+
     def torch_buckets(self) -> list[int] | None:
         """Bucket sizes in bytes of a torch DDP after its bucket rebuild (private API: best effort)."""
         try:
@@ -185,6 +230,8 @@ class _Variant:
             "name": self.name,
             "kind": self.kind,
             "bucket_mb": _mb_json(self.bucket_mb),
+            "comm_hook": self.hook,
+            "comm_bytes": self.comm_bytes,
             "buckets": self.buckets,
             "bucket_bytes": bucket_bytes,
             "times": self.times,
@@ -214,21 +261,28 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         )  # fmt: skip
 
     # Construction order is the same on every rank (each wrapper talks to its peers).
-    variants = [
-        _Variant(
-            "torch", "torch DDP", "torch",
-            torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group.process_group),
-            cfg.lr,
-        )
-    ]  # fmt: skip
+    variants = []
+    for hook in cfg.comm_hooks:
+        suffix = "" if hook == "none" else f" {hook}"
+        model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group.process_group)
+        if hook != "none":
+            model.register_comm_hook(group.process_group, _hooks(hook)[1])
+        variants.append(_Variant(f"torch:{hook}", f"torch DDP{suffix}", "torch", model, cfg.lr, hook=hook))
     for mb in cfg.bucket_mb:
-        model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb, first_bucket_cap_mb=cfg.first_bucket_mb)
-        variants.append(_Variant(f"ours:{_mb_label(mb)}", f"ours {_mb_label(mb)} MB", "ours", model, cfg.lr, mb))
+        for hook in cfg.comm_hooks:
+            suffix = "" if hook == "none" else f" {hook}"
+            model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb, first_bucket_cap_mb=cfg.first_bucket_mb)
+            if hook != "none":
+                model.register_comm_hook(None, _hooks(hook)[0])
+            name = f"ours {_mb_label(mb)} MB{suffix}"
+            variants.append(_Variant(f"ours:{_mb_label(mb)}:{hook}", name, "ours", model, cfg.lr, mb, hook))
         if rank == 0:
             sizes = ", ".join(f"{b.nbytes / 2**20:.1f}" for b in model.buckets)
             log.info("ours %s MB: %d buckets of %s MiB (launch order)", _mb_label(mb), len(model.buckets), sizes)
     variants.append(_Variant("local", "local (no comm)", "local", copy.deepcopy(base), cfg.lr))
     del base
+    for v in variants:  # same order on every rank
+        v.measure_comm_bytes(x, y)
 
     total = cfg.warmup + cfg.rounds
     for r in range(total):
@@ -274,6 +328,8 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             "name": first["name"],
             "kind": first["kind"],
             "bucket_mb": first["bucket_mb"],
+            "comm_hook": first["comm_hook"],
+            "comm_mib": None if first["comm_bytes"] is None else first["comm_bytes"] / 2**20,
             "buckets": first["buckets"],
             "bucket_mib": None if first["bucket_bytes"] is None else [round(b / 2**20, 2) for b in first["bucket_bytes"]],
             "steps": steps,
@@ -296,10 +352,11 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             row["wait_ms"] = None
             row["launched_during_backward"] = None
         rows.append(row)
-    by_kind = {r["kind"]: r for r in rows}
-    torch_ms, local_bwd = by_kind["torch"]["step_ms"], by_kind["local"]["backward_ms"]
+    torch_ms = {r["comm_hook"]: r["step_ms"] for r in rows if r["kind"] == "torch"}
+    local_bwd = next(r["backward_ms"] for r in rows if r["kind"] == "local")
     for row in rows:
-        row["speed_vs_torch"] = torch_ms / row["step_ms"] if row["step_ms"] > 0 else float("nan")
+        reference = torch_ms.get(row["comm_hook"], torch_ms[cfg.comm_hooks[0]])
+        row["speed_vs_torch"] = reference / row["step_ms"] if row["step_ms"] > 0 else float("nan")
         row["backward_over_local_ms"] = row["backward_ms"] - local_bwd
     return {
         "config": {k: (list(map(_mb_json, v)) if k == "bucket_mb" else _mb_json(v) if k == "first_bucket_mb" else v)
@@ -312,7 +369,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
 
 
 _COLUMNS = (
-    ("variant", 17, "<"), ("buckets", 7, ">"), ("step ms", 9, ">"), ("min", 8, ">"), ("forward", 8, ">"),
+    ("variant", 22, "<"), ("buckets", 7, ">"), ("MB/step", 8, ">"), ("step ms", 9, ">"), ("min", 8, ">"), ("forward", 8, ">"),
     ("backward", 9, ">"), ("optim", 7, ">"), ("wait", 7, ">"), ("launched", 9, ">"), ("bwd-local", 10, ">"),
     ("vs torch", 9, ">"), ("sync", 5, ">"),
 )  # fmt: skip
@@ -331,7 +388,7 @@ def format_table(summary: dict[str, Any]) -> str:
         buckets = "-" if r["buckets"] is None else str(r["buckets"])
         sync = "-" if r["kind"] == "local" else ("ok" if r["in_sync"] else "DIFF")
         cells = (
-            r["name"], buckets, num(r["step_ms"]), num(r["step_min_ms"]), num(r["forward_ms"]),
+            r["name"], buckets, num(r["comm_mib"], ".2f"), num(r["step_ms"]), num(r["step_min_ms"]), num(r["forward_ms"]),
             num(r["backward_ms"]), num(r["optim_ms"]), num(r["wait_ms"]), launched,
             "-" if r["kind"] == "local" else f"{r['backward_over_local_ms']:+.1f}",
             num(r["speed_vs_torch"], ".2f") + "x", sync,
@@ -384,6 +441,14 @@ def _parse_mb_list(text: str) -> tuple[float, ...]:
     return values
 
 
+def _parse_hooks(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [n for n in names if n not in COMM_HOOKS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(COMM_HOOKS)}, got {text!r}")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="ringddp-ddp-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", "-n", type=int, default=2, help="local processes (default 2)")
@@ -391,6 +456,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--layers", type=int, default=4, help="Linear layers (default 4: 16.8 M parameters)")
     p.add_argument("--batch", type=int, default=64, help="rows per rank per step (default 64)")
     p.add_argument("--bucket-mb", type=_parse_mb_list, default=(25.0,), help="comma list of our bucket caps in MiB, 'inf' = one bucket (default 25)")
+    p.add_argument("--comm-hook", type=_parse_hooks, default=("none",), help=f"comma list of comm hooks to compare, from {', '.join(COMM_HOOKS)} (default none)")
     p.add_argument("--first-bucket-mb", type=float, default=None, help="cap of our first bucket (default: the bucket cap; torch uses 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
@@ -411,7 +477,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     if device_type_of(a.backend) != "cpu":
         p.error(f"--backend {a.backend}: this benchmark runs on CPU tensors")
     cfg = Config(
-        world_size=a.world_size, width=a.width, layers=a.layers, batch=a.batch, bucket_mb=a.bucket_mb,
+        world_size=a.world_size, width=a.width, layers=a.layers, batch=a.batch, bucket_mb=a.bucket_mb, comm_hooks=a.comm_hook,
         first_bucket_mb=a.first_bucket_mb, warmup=a.warmup, rounds=a.rounds, steps=a.steps, lr=a.lr,
         backend=a.backend, threads=a.threads, seed=a.seed, timeout=a.timeout,
     )  # fmt: skip

@@ -30,6 +30,15 @@ of the last bucket(s) is exposed::
 The cost model says how to size buckets: each all-reduce costs ``2(n-1)α + 2(n-1)/n · Sβ``;
 fewer, bigger buckets pay ``α`` fewer times, smaller ones start earlier (see ``bucket.py``).
 
+Module and Reducer
+------------------
+As in torch, the ``nn.Module`` here only wraps: it finds the parameters, checks the layout,
+broadcasts the state, runs ``forward``, keeps the ``no_sync`` flag and registers the hooks. Each
+hook calls :meth:`Reducer.on_grad_ready <ddp.reducer.Reducer.on_grad_ready>`; the Reducer
+(``reducer.py``) owns the buckets, the per-pass state, the in-order launch, the end of backward
+and the write-back. :meth:`DistributedDataParallel.register_comm_hook` replaces how a bucket is
+reduced (``comm_hooks.py``: compression, an explicit reduce-scatter + all-gather, your own).
+
 Same order on every rank
 ------------------------
 Our collectives are point-to-point messages matched by order, so every rank must start the same
@@ -42,7 +51,8 @@ Exactness
 ---------
 The all-reduce is a SUM followed by one division by the world size (``ReduceOp.AVG``), performed
 identically everywhere: the ring algorithm combines every element once, in one order, so the
-averaged gradients are bitwise equal on all ranks and the replicas never drift apart.
+averaged gradients are bitwise equal on all ranks and the replicas never drift apart. A comm
+hook keeps this as long as it only post-processes collective results (``comm_hooks.py``).
 
 Unused parameters
 -----------------
@@ -64,9 +74,7 @@ result).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import time
 import weakref
 import zlib
 from typing import Any, Iterator, Sequence
@@ -75,76 +83,16 @@ import torch
 import torch.nn as nn
 
 import collectives
-from collectives import Group, ReduceOp, Work, trace
+from collectives import Group, trace
 
 from .bucket import BucketInfo, assign_buckets, cap_from_mb, format_bucket_table
 from .join import Join
-from .naive import broadcast_tensors
+from .reducer import CommHook, Reducer, ReductionStats
+from .sync import broadcast_tensors
 
 log = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclasses.dataclass
-class ReductionStats:
-    """What the last synchronised backward pass did (``DistributedDataParallel.last_stats``).
-
-    Attributes:
-        buckets: number of buckets reduced.
-        launched_during_backward: buckets whose all-reduce started before the end of the backward
-            pass (the overlapped ones); the others started in the final callback.
-        first_launch_s: seconds from the first gradient hook to the first bucket launch.
-        backward_s: seconds from the first gradient hook to the final callback (the part of the
-            backward pass that communication could overlap).
-        wait_s: seconds the final callback waited for outstanding all-reduces (exposed
-            communication).
-        unused_params: names of parameters that got no gradient on this rank.
-    """
-
-    buckets: int = 0
-    launched_during_backward: int = 0
-    first_launch_s: float = 0.0
-    backward_s: float = 0.0
-    wait_s: float = 0.0
-    unused_params: tuple[str, ...] = ()
-
-
-class _Bucket:
-    """Runtime state of one bucket: its flat buffer and the views of its parameters' gradients."""
-
-    __slots__ = ("index", "param_indices", "buffer", "views", "info")
-
-    def __init__(self, index: int, param_indices: list[int], params: list[nn.Parameter], names: list[str]):
-        self.index = index
-        self.param_indices = param_indices
-        first = params[param_indices[0]]
-        numel = sum(params[i].numel() for i in param_indices)
-        self.buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for i in param_indices:
-            p = params[i]
-            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self.info = BucketInfo(
-            index=index,
-            dtype=first.dtype,
-            device=first.device,
-            param_names=tuple(names[i] for i in param_indices),
-            shapes=tuple(tuple(params[i].shape) for i in param_indices),
-            numel=numel,
-            nbytes=numel * self.buffer.element_size(),
-        )
-
-
-def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
-    return (
-        grad.data_ptr() == view.data_ptr()
-        and grad.shape == view.shape
-        and grad.stride() == view.stride()
-        and grad.dtype == view.dtype
-    )
 
 
 class DistributedDataParallel(nn.Module):
@@ -179,7 +127,8 @@ class DistributedDataParallel(nn.Module):
 
     Attributes:
         buckets: list of :class:`~ddp.bucket.BucketInfo`, in launch order.
-        last_stats: :class:`ReductionStats` of the last synchronised backward pass.
+        last_stats: :class:`~ddp.reducer.ReductionStats` of the last synchronised backward pass.
+        reducer: the :class:`~ddp.reducer.Reducer` doing the gradient work.
     """
 
     def __init__(
@@ -206,12 +155,11 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("DistributedDataParallel: pass group or process_group (torch's name), not both")
         group = process_group if group is None else group
         self.process_group: Group = collectives.get_default_group() if group is None else group
-        self.world_size = self.process_group.size()
+        self.world_size = collectives.get_world_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_cap_mb = bucket_cap_mb
-        self.last_stats = ReductionStats()
 
         # Trainable parameters, each once (tied parameters are one Parameter object), in
         # registration order; every name a parameter is reachable by, for messages.
@@ -239,37 +187,20 @@ class DistributedDataParallel(nn.Module):
             cap_from_mb(bucket_cap_mb),
             None if first_bucket_cap_mb is None else cap_from_mb(first_bucket_cap_mb),
         )
-        self._buckets = [_Bucket(b, idx, self._params, self._names) for b, idx in enumerate(layout)]
-        self._bucket_of: list[int] = [0] * len(self._params)
-        self._view_of: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
-        for bucket in self._buckets:
-            for i, view in zip(bucket.param_indices, bucket.views):
-                self._bucket_of[i] = bucket.index
-                self._view_of[i] = view
-
-        self._check_same_layout()
+        self._check_same_layout(layout)
         if init_sync:
             broadcast_tensors(list(module.parameters()) + list(module.buffers()), group=self.process_group)
-        if gradient_as_bucket_view:
-            with torch.no_grad():
-                for p, view in zip(self._params, self._view_of):
-                    if p.grad is not None:
-                        view.copy_(p.grad)
-                        p.grad = view
-
-        # Per-backward state.
+        self.reducer = Reducer(
+            self._params,
+            self._names,
+            layout,
+            self.process_group,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
         self._join: Join | None = None  # inside join(): the context to notify at each forward
         self._require_sync = True  # False inside no_sync()
         self._forward_sync = True  # _require_sync as it was at the last forward with grad enabled
-        self._active = False  # a synchronised backward pass is under way
-        self._graph_task = -1
-        self._ready = [False] * len(self._params)
-        self._pending = [len(b.param_indices) for b in self._buckets]
-        self._next_bucket = 0
-        self._works: list[Work | None] = [None] * len(self._buckets)
-        self._used = [False] * len(self._params)  # got a gradient since the last synchronised step
-        self._t_start = 0.0
-        self._t_first_launch = 0.0
 
         # Hooks hold a weak reference: dropping the wrapper disarms them (the module may be
         # wrapped again without the old wrapper still reducing).
@@ -281,7 +212,7 @@ class DistributedDataParallel(nn.Module):
             "DistributedDataParallel: %d parameters (%s elements) in %d buckets over %d ranks",
             len(self._params),
             f"{sum(p.numel() for p in self._params):,}",
-            len(self._buckets),
+            len(layout),
             self.world_size,
         )
         log.debug("bucket layout:\n%s", self.describe_buckets())
@@ -291,7 +222,12 @@ class DistributedDataParallel(nn.Module):
     @property
     def buckets(self) -> list[BucketInfo]:
         """The bucket layout, in launch order (bucket 0 first)."""
-        return [b.info for b in self._buckets]
+        return [b.info for b in self.reducer.buckets]
+
+    @property
+    def last_stats(self) -> ReductionStats:
+        """What the last synchronised backward pass did."""
+        return self.reducer.last_stats
 
     def describe_buckets(self) -> str:
         """The bucket layout as a table: dtype, size and parameter names of each bucket."""
@@ -299,7 +235,7 @@ class DistributedDataParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"world_size={self.world_size}, buckets={len(self._buckets)}, bucket_cap_mb={self.bucket_cap_mb}, "
+            f"world_size={self.world_size}, buckets={len(self.reducer.buckets)}, bucket_cap_mb={self.bucket_cap_mb}, "
             f"find_unused_parameters={self.find_unused_parameters}, "
             f"gradient_as_bucket_view={self.gradient_as_bucket_view}"
         )
@@ -336,6 +272,18 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._require_sync = old
 
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in AVG all-reduce.
+
+        As in torch: ``bucket`` is a :class:`~ddp.reducer.GradBucket` (``buffer()``, ``index()``,
+        ``parameters()``, ``gradients()``, ``is_last()``, ``set_buffer()``) and the hook returns a
+        ``torch.futures.Future`` whose value is the reduced flat tensor; ``state`` is passed through
+        (torch's hooks take the process group there: pass ``model.process_group`` or ``None``).
+        Register once, before the first backward pass. Ready-made hooks and the rules a hook must
+        follow: ``ddp/comm_hooks.py``.
+        """
+        self.reducer.register_comm_hook(state, hook)
+
     def join(
         self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
     ) -> Join:
@@ -355,16 +303,13 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ construction checks
 
-    def _check_same_layout(self) -> None:
+    def _check_same_layout(self, layout: list[list[int]]) -> None:
         """Every rank must hold the same parameters in the same buckets: compare a checksum.
 
         A mismatch (different model, different bucket cap) would otherwise pair all-reduces of
         different sizes; all ranks see the same gathered checksums, so all raise together.
         """
-        text = repr(
-            [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
-            + [b.param_indices for b in self._buckets]
-        )
+        text = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)] + layout)
         device = self._params[0].device if self._params else _group_device(self.module)
         mine = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64, device=device)
         gathered = torch.empty(self.world_size, dtype=torch.int64, device=device)
@@ -376,173 +321,12 @@ class DistributedDataParallel(nn.Module):
                 "arguments on every rank"
             )
 
-    # ------------------------------------------------------------------ backward machinery
-
-    @torch.no_grad()
-    def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
-        """Called by autograd once ``param.grad`` is final for this backward pass."""
-        self._used[index] = True
-        if not (self._require_sync and self._forward_sync):
-            return  # no_sync: the gradient stays (accumulates) in param.grad
-        task = torch._C._current_graph_task_id()
-        if not self._active:
-            self._start_pass(task)
-        elif task != self._graph_task:
-            log.warning("the previous backward pass ended without its gradient reduction (did it raise?); resetting")
-            self._abandon_pass()
-            self._start_pass(task)
-        if self._ready[index]:
-            raise RuntimeError(
-                f"DistributedDataParallel: parameter {self._names[index]} received its gradient twice in one "
-                "backward pass (reentrant checkpointing or a second backward inside the first?); not supported"
-            )
-        grad = param.grad
-        if grad is None:  # cannot happen for a post-accumulate hook, but be explicit
-            raise RuntimeError(f"DistributedDataParallel: hook of {self._names[index]} fired without a gradient")
-        if grad.is_sparse:
-            raise RuntimeError(f"DistributedDataParallel: parameter {self._names[index]} has a sparse gradient; not supported")
-        view = self._view_of[index]
-        if self.gradient_as_bucket_view:
-            if not _is_view_of(grad, view):
-                view.copy_(grad)
-                param.grad = view
-        else:
-            view.copy_(grad)
-        self._mark_ready(index)
-
-    def _start_pass(self, task: int) -> None:
-        self._active = True
-        self._graph_task = task
-        self._ready = [False] * len(self._params)
-        self._pending = [len(b.param_indices) for b in self._buckets]
-        self._next_bucket = 0
-        self._works = [None] * len(self._buckets)
-        self._t_start = time.perf_counter()
-        self._t_first_launch = 0.0
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
-
-    def _abandon_pass(self) -> None:
-        for work in self._works:
-            if work is not None:
-                try:
-                    work.wait()
-                except Exception as exc:  # noqa: BLE001 - best effort, the pass is discarded
-                    log.warning("discarded all-reduce failed: %s", exc)
-        self._active = False
-
-    def _mark_ready(self, index: int) -> None:
-        self._ready[index] = True
-        b = self._bucket_of[index]
-        self._pending[b] -= 1
-        if self._pending[b] == 0:
-            self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self) -> None:
-        """Launch every complete bucket, strictly in bucket order (the same order on every rank)."""
-        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
-            bucket = self._buckets[self._next_bucket]
-            if bucket.buffer.device.type == "cuda":
-                # The gradients were written by kernels queued on this thread's stream; the
-                # communication thread must not read the buffer before they ran.
-                torch.cuda.current_stream(bucket.buffer.device).synchronize()
-            with trace.label(f"all_reduce bucket {bucket.index}"):
-                self._works[bucket.index] = collectives.all_reduce(
-                    bucket.buffer, ReduceOp.AVG, group=self.process_group, async_op=True
-                )
-            if not self._t_first_launch:
-                self._t_first_launch = time.perf_counter()
-            self._next_bucket += 1
-
-    def _finish_pass(self) -> None:
-        """Autograd's end-of-backward callback: complete, wait, and write back the gradients."""
-        t_end = time.perf_counter()
-        launched_early = self._next_bucket
-        try:
-            unused = [i for i, ready in enumerate(self._ready) if not ready]
-            used_anywhere: list[bool] | None = None
-            if unused and not self.find_unused_parameters:
-                names = [self._names[i] for i in unused]
-                shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-                raise RuntimeError(
-                    f"DistributedDataParallel: {len(names)} parameter(s) received no gradient in this backward "
-                    f"pass: {shown}. They took no part in computing the loss, so their buckets can never be "
-                    "reduced. Pass find_unused_parameters=True if parameters may go unused, set "
-                    "requires_grad=False on parameters that never train, or make every parameter contribute "
-                    "to the loss. (Other ranks, if they used these parameters, are now waiting in an "
-                    "all-reduce and will fail with the collectives' timeout.)"
-                )
-            if unused:
-                with torch.no_grad():
-                    for i in unused:
-                        self._fill_unready(i)
-                for i in unused:
-                    self._ready[i] = True
-                    self._pending[self._bucket_of[i]] -= 1
-                self._launch_ready_buckets()
-            t_wait = time.perf_counter()
-            if self.find_unused_parameters:
-                used_anywhere = self._all_reduce_used()  # queued behind the buckets
-            for work in self._works:
-                assert work is not None
-                work.wait()
-            t_done = time.perf_counter()
-            wait_s = t_done - t_wait
-            tracer = trace.active()
-            if tracer is not None:
-                ns = lambda s: int(s * 1e9)  # noqa: E731 - perf_counter and perf_counter_ns share a clock
-                tracer.add("backward (gradient hooks)", "ddp", ns(self._t_start), ns(t_end), {"buckets_launched": launched_early})
-                tracer.add("wait for buckets", "ddp", ns(t_wait), ns(t_done), {"buckets": len(self._buckets)})
-            with torch.no_grad():
-                self._write_back(used_anywhere)
-            self.last_stats = ReductionStats(
-                buckets=len(self._buckets),
-                launched_during_backward=launched_early,
-                first_launch_s=(self._t_first_launch - self._t_start) if self._t_first_launch else 0.0,
-                backward_s=t_end - self._t_start,
-                wait_s=wait_s,
-                unused_params=tuple(self._names[i] for i in unused),
-            )
-        finally:
-            self._active = False
-            self._used = [False] * len(self._params)
-
-    def _fill_unready(self, i: int) -> None:
-        """Put the gradient of a parameter that got none in this pass into its bucket slot."""
-        p, view = self._params[i], self._view_of[i]
-        if p.grad is None:
-            view.zero_()
-        elif self.gradient_as_bucket_view:
-            if not _is_view_of(p.grad, view):
-                view.copy_(p.grad)
-                p.grad = view
-        else:
-            view.copy_(p.grad)  # accumulated under no_sync, or left over
-
-    def _all_reduce_used(self) -> list[bool]:
-        """Which parameters got a gradient on at least one rank (one small all-reduce)."""
-        device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
-        flags = torch.tensor(self._used, dtype=torch.int32, device=device)
-        collectives.all_reduce(flags, ReduceOp.MAX, group=self.process_group)
-        return [bool(f) for f in flags.tolist()]
-
-    def _write_back(self, used_anywhere: list[bool] | None) -> None:
-        """Averaged bucket contents -> ``param.grad``."""
-        for bucket in self._buckets:
-            for i, view in zip(bucket.param_indices, bucket.views):
-                p = self._params[i]
-                if p.grad is None:
-                    if used_anywhere is not None and not used_anywhere[i]:
-                        continue  # used on no rank: leave None, the optimizer skips it
-                    p.grad = view if self.gradient_as_bucket_view else view.clone()
-                elif not _is_view_of(p.grad, view):
-                    p.grad.copy_(view)
-
 
 def _make_hook(self_ref: "weakref.ref[DistributedDataParallel]", index: int):
     def hook(param: nn.Parameter) -> None:
         self = self_ref()
         if self is not None:
-            self._on_grad_ready(index, param)
+            self.reducer.on_grad_ready(index, sync=self._require_sync and self._forward_sync)
 
     return hook
 
@@ -577,4 +361,4 @@ def _group_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["DistributedDataParallel", "ReductionStats"]
+__all__ = ["DistributedDataParallel"]

@@ -46,7 +46,7 @@ import torch
 import collectives
 from collectives import ReduceOp, trace
 
-from .naive import broadcast_tensors
+from .sync import broadcast_tensors
 
 if TYPE_CHECKING:
     from .distributed import DistributedDataParallel
@@ -133,6 +133,8 @@ class Join:
         if not reduce_gradients:
             return
         params = [p for p in model.module.parameters() if p.requires_grad]
+        if not params:  # no buckets, nothing to reduce
+            return
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None

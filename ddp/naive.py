@@ -4,8 +4,8 @@ Data parallelism keeps one full replica of the model per rank and gives each ran
 slice of the batch. It stays correct as long as every rank takes *the same* optimizer step, which
 needs two things:
 
-1. the replicas start equal — :func:`broadcast_module` copies rank 0's parameters and buffers to
-   every rank (ranks seeded differently then agree);
+1. the replicas start equal — :func:`~ddp.sync.broadcast_module` copies rank 0's parameters and
+   buffers to every rank (ranks seeded differently then agree);
 2. the replicas see the same gradient — after ``loss.backward()`` every rank holds the gradient of
    *its own* slice; :func:`all_reduce_gradients` replaces it by the average over ranks. With a
    per-rank mean loss over equal slices, that average is exactly the gradient of the mean loss
@@ -32,8 +32,6 @@ computation. :class:`ddp.DistributedDataParallel` fixes both (buckets, overlap).
 
 from __future__ import annotations
 
-import logging
-from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -42,64 +40,9 @@ import torch.nn as nn
 import collectives
 from collectives import Group, ReduceOp
 
-log = logging.getLogger(__name__)
+from .sync import unique
 
-
-def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
-def _parameters(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    params = model.parameters() if isinstance(model, nn.Module) else model
-    return _unique(params)
-
-
-def src_rank(group: Group | None) -> int:
-    """Global rank of the first member of ``group`` (the default group's rank 0)."""
-    g = collectives.get_default_group() if group is None else group
-    return g.ranks[0]
-
-
-@torch.no_grad()
-def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int | None = None, group: Group | None = None) -> None:
-    """Broadcast many tensors from global rank ``src`` (default: the group's first rank), in place.
-
-    Tensors are packed into one flat buffer per (dtype, device), so the whole state costs one
-    broadcast per dtype instead of one per tensor (one latency ``α`` instead of hundreds).
-    Every rank must pass tensors of the same shapes, dtypes and order.
-    """
-    src = src_rank(group) if src is None else src
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-    for t in _unique(tensors):
-        by_kind[(t.dtype, t.device)].append(t)
-    for (dtype, device), ts in by_kind.items():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].detach().reshape(-1).clone()
-        collectives.broadcast(flat, src, group=group)
-        offset = 0
-        for t in ts:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
-
-
-def broadcast_module(
-    module: nn.Module, src: int | None = None, group: Group | None = None, *, buffers: bool = True
-) -> None:
-    """Make every rank's ``module`` equal to that of global rank ``src``: parameters and buffers.
-
-    Frozen parameters are included (they must agree too); buffers such as BatchNorm's running
-    statistics are included unless ``buffers=False``.
-    """
-    state = list(module.parameters())
-    if buffers:
-        state += list(module.buffers())
-    broadcast_tensors(state, src, group)
+__all__ = ["all_reduce_gradients"]
 
 
 def all_reduce_gradients(
@@ -118,7 +61,7 @@ def all_reduce_gradients(
     """
     op = ReduceOp.coerce(op)
     world = collectives.get_world_size(group)
-    for p in _parameters(model):
+    for p in unique(model.parameters() if isinstance(model, nn.Module) else model):
         if not p.requires_grad:
             continue
         if p.grad is None:

@@ -37,7 +37,8 @@ from collectives.backends import backend_argument, describe_backends, device_typ
 from data import DistributedSampler, ScatterDataset
 
 from .distributed import DistributedDataParallel
-from .naive import all_reduce_gradients, broadcast_module, broadcast_tensors
+from .naive import all_reduce_gradients
+from .sync import broadcast_module, broadcast_tensors
 
 log = logging.getLogger("ddp.train")
 

@@ -53,3 +53,29 @@ def test_bucket_list_parsing():
     assert bench._parse_mb_list("25,5,inf") == (25.0, 5.0, math.inf)
     with pytest.raises(Exception):
         bench._parse_mb_list("25,-1")
+
+
+@pytest.mark.timeout(120)
+def test_bench_comm_hooks_halve_the_bytes(tmp_path):
+    out = tmp_path / "hooks.json"
+    argv = [
+        "--world-size", "2", "--width", "64", "--layers", "2", "--batch", "8", "--comm-hook", "none,fp16,bf16",
+        "--warmup", "0", "--rounds", "1", "--steps", "1", "--timeout", "60", "--quiet", "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    grad_mib = 2 * (64 * 64 + 64) * 4 / 2**20
+    # ours measured (traced step), torch computed: one float32 all-reduce of every gradient, or half
+    for name in ("ours 25 MB", "torch DDP"):
+        assert rows[name]["comm_mib"] == pytest.approx(grad_mib)
+    for hook in ("fp16", "bf16"):
+        for name in (f"ours 25 MB {hook}", f"torch DDP {hook}"):
+            assert rows[name]["comm_mib"] == pytest.approx(grad_mib / 2), name
+            assert rows[name]["in_sync"], name
+        assert rows[f"torch DDP {hook}"]["speed_vs_torch"] == pytest.approx(1.0)
+
+
+def test_comm_hook_list_parsing():
+    assert bench._parse_hooks("none,fp16,fp16") == ("none", "fp16")
+    with pytest.raises(Exception):
+        bench._parse_hooks("none,zip")

@@ -264,9 +264,10 @@ def run_case(case: dict, rank: int, group) -> dict:
         else:
             overlapped.append(wrapped.last_stats.launched_during_backward)
             if case["ddp"].get("gradient_as_bucket_view"):
-                for p, view in zip(wrapped._params, wrapped._view_of):
-                    if p.grad is not None:
-                        assert p.grad.data_ptr() == view.data_ptr(), f"{case['name']}: .grad is not the bucket view"
+                for bucket in wrapped.reducer.buckets:
+                    for p, view in zip(bucket.params, bucket.views):
+                        if p.grad is not None:
+                            assert p.grad.data_ptr() == view.data_ptr(), f"{case['name']}: .grad is not the bucket view"
         _check_grads_identical(model, group, case, step)
         opt.step()
     result = {"before": before, "init": init, "final": _np(model.parameters()), "overlapped": overlapped}
