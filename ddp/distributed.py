@@ -332,27 +332,25 @@ def _make_hook(self_ref: "weakref.ref[DistributedDataParallel]", index: int):
 
 
 def _check_devices(module: nn.Module, device_ids: object, output_device: object) -> None:
-    """torch's ``device_ids`` / ``output_device``: accepted when they name the module's one device.
+    """torch's ``device_ids`` / ``output_device``, for scripts that pass them.
 
-    Our DDP runs the module where its parameters are; these arguments only say so (as for a
-    single-device module in torch). ``DDP(model, device_ids=[rank])`` on a model moved to
-    ``cuda:rank`` works; on a CPU model, as in torch, they must be ``None``.
+    Our DDP runs the module where its parameters are. ``device_ids`` must then be ``None`` or name
+    that one device (``DDP(model, device_ids=[rank])`` on a model moved to ``cuda:rank``; on a CPU
+    model ``None``), as torch requires for single-device modules. ``output_device`` is accepted and
+    ignored, as torch does for CPU modules: outputs stay where the module puts them.
     """
-    if device_ids is None and output_device is None:
+    if device_ids is None:
         return
     devices = {p.device for p in module.parameters()} or {torch.device("cpu")}
-    if device_ids is not None and (not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1):
+    if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
         raise ValueError(f"DistributedDataParallel: device_ids must be None or a list of one device, got {device_ids!r}")
-    for what, d in (("device_ids[0]", device_ids[0] if device_ids else None), ("output_device", output_device)):
-        if d is None:
-            continue
-        device = torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else torch.device(d)
-        if devices != {device}:
-            raise ValueError(
-                f"DistributedDataParallel: {what}={d!r} but the module's parameters are on "
-                f"{sorted(map(str, devices))}; device_ids/output_device must name the module's one device "
-                "(None for a CPU module)"
-            )
+    d = device_ids[0]
+    device = torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else torch.device(d)
+    if devices != {device}:
+        raise ValueError(
+            f"DistributedDataParallel: device_ids={device_ids!r} but the module's parameters are on "
+            f"{sorted(map(str, devices))}; device_ids must name the module's one device (None for a CPU module)"
+        )
 
 
 def _group_device(module: nn.Module) -> torch.device:

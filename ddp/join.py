@@ -22,8 +22,9 @@ How (the same protocol as torch's ``Join`` with DDP's join hook):
    ``no_sync``, a backward pass whose gradients are all zero, which launches the same bucket
    all-reduces (and comm hooks) through DDP's own hooks. So the gradients are averaged over the
    *initial* world size, zeros included (``divide_by_initial_world_size=True``, torch's default).
-3. When every rank has joined, the parameters and buffers of the last rank to join (the one that
-   trained longest: the others stopped stepping) are broadcast to all, so the replicas agree again.
+3. When every rank has joined, the parameters and buffers of the last rank to join (one that
+   shadowed nothing; the highest such rank, as in torch) are broadcast to all: the ranks that
+   joined earlier stopped stepping, and this makes the replicas agree again.
 
 Cost: one extra all-reduce of one integer per training step (``≈ log2(n) α``), as in torch.
 
@@ -80,7 +81,6 @@ class Join:
             raise TypeError(f"join: enable must be a bool, got {type(enable).__name__}")
         self.model = model
         self.enable = enable
-        self.steps = 0  # synchronised forward passes this rank trained on inside the context
 
     def __enter__(self) -> "Join":
         if self.enable:
@@ -91,7 +91,6 @@ class Join:
 
     def notify(self, sync: bool) -> int:
         """Called by the model's forward on a training rank (see step 1); returns the buffers' source."""
-        self.steps += 1
         g = collectives.get_group(self.model.process_group)
         return g.ranks[(self._exchange(g.rank() + 1 + (0 if sync else g.size())) - 1) % g.size()]
 
@@ -120,7 +119,7 @@ class Join:
             shadowed += 1
         if shadowed:
             log.info("join: shadowed %d steps of ranks with more data", shadowed)
-        self._sync_final_model()
+        self._sync_final_model(last_joiner=shadowed == 0)
         return False
 
     def _shadow_step(self, src: int, reduce_gradients: bool) -> None:
@@ -143,13 +142,13 @@ class Join:
         for p, grad in zip(params, saved):
             p.grad = grad
 
-    def _sync_final_model(self) -> None:
-        """Broadcast parameters and buffers from the last rank to join (see step 3)."""
+    def _sync_final_model(self, last_joiner: bool) -> None:
+        """Broadcast parameters (and buffers, if ``broadcast_buffers``) from a last joiner (step 3).
+
+        The last joiners are the ranks that shadowed no step; as in torch, the highest one wins.
+        """
         g = collectives.get_group(self.model.process_group)
-        n, rank = g.size(), g.rank()
-        # the rank with the most steps; ties go to the lowest rank
-        key = torch.tensor([self.steps * n + (n - 1 - rank)], dtype=torch.int64, device=self._device())
-        collectives.all_reduce(key, ReduceOp.MAX, group=g)
-        last = n - 1 - int(key.item()) % n
+        src = self._exchange(g.rank() + 1 if last_joiner else 0) - 1
         module = self.model.module
-        broadcast_tensors(list(module.parameters()) + list(module.buffers()), src=g.ranks[last], group=g)
+        state = list(module.parameters()) + (list(module.buffers()) if self.model.broadcast_buffers else [])
+        broadcast_tensors(state, src=g.ranks[src], group=g)
