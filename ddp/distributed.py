@@ -108,8 +108,11 @@ class DistributedDataParallel(nn.Module):
         module: the model. Parameters may live on any device the group's backend can move
             (CPU with ``p2p``/``torch``, CUDA with ``nccl-cupy``); each bucket lives on its
             parameters' device.
+        device_ids, output_device: torch's arguments, accepted for scripts that pass them:
+            ``device_ids`` is ``None`` or names the module's one device; ``output_device`` is
+            ignored (outputs stay where the module puts them).
         group: the collectives group to average over (default: the default group). The
-            parameters are broadcast from its first rank.
+            parameters are broadcast from its first rank. ``process_group`` is torch's name for it.
         bucket_cap_mb: target bucket size in MiB (torch's default 25). ``0`` puts every parameter
             in its own bucket; ``float("inf")`` makes one bucket per dtype.
         first_bucket_cap_mb: cap of the first bucket (default: ``bucket_cap_mb``). A small first
