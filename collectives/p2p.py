@@ -98,6 +98,10 @@ class P2PWork(Work):
                 Work._finish(self, error)
         return super().wait(0)
 
+    def get_future(self) -> torch.futures.Future:
+        """Not available for point-to-point, as with torch's gloo ``Work``: call :meth:`wait`."""
+        raise RuntimeError(f"{self.name}: get_future is not implemented for point-to-point work; use wait()")
+
 
 class P2POp:
     """One operation of :func:`batch_isend_irecv` (torch's signature).
