@@ -9,16 +9,17 @@ dtype) and then the payload. The header exists because of two facts about the wi
 
 So a receive first takes the header, compares it with what the caller asked for, and only then
 posts the payload receive into the caller's tensor. A mismatch (other tag, size or dtype) raises
-:class:`~collectives.errors.CollectiveError` on the receiver after the payload was drained into
-scratch, so the wire stays in step and the sender is not left waiting. Cost: one extra small
-message (``α``) per user message.
+:class:`MessageMismatchError` on the receiver after the payload was drained into scratch, so the
+wire stays in step and the sender is not left waiting. Cost: one extra small message (``α``) per
+user message.
 
 A receive started with ``irecv`` must not block the group's queue while it waits for its header
 (``irecv`` then ``send`` on both ranks of a pair is a common pattern). So ``irecv`` only posts the
-header receive and leaves an :class:`Incoming` in the group's :class:`Mailbox`; the payload receive
-is posted when the caller waits on it, when a later receive from the same peer is posted, or
-before the group's next collective starts (:func:`settle`), whichever comes first. Each of those
-points preserves the posting order on the wire.
+header receive and leaves an :class:`Incoming` in the group's :class:`Mailbox`. Its payload
+receive is posted ("settled") by the pair's waiter thread as soon as the header arrives, or
+earlier by whoever needs it first: the caller's ``wait``, a later receive from the same peer, or,
+on a wire shared with the collectives, the group's next collective (:func:`settle`). Receives of
+one pair are always settled in posting order, which keeps the order on the wire.
 """
 
 from __future__ import annotations
