@@ -6,6 +6,10 @@ Drop-in for the ``torch.distributed`` collectives::
     dist.init_process_group()           # gloo point-to-point underneath
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
+Point-to-point (``send``/``recv``/``isend``/``irecv``/``batch_isend_irecv``, ``p2p.py``), object
+collectives (``objects.py``) and torch's group helpers (``compat.py``) are there too; every name of
+torch.distributed and where it stands: ``docs/api-coverage.md``.
+
 See ``collectives/ring.py`` for the ring algorithms, ``tree.py`` for the small-message ones,
 ``direct.py`` for scatter/gather/all-to-all, ``transport/`` for the wire, and ``backends.py`` to
 plug in your own transport (:func:`register_backend`).
