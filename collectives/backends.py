@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .engine import AlgorithmEngine, Engine, TorchEngine
+from .topology import Layout
 from .transport.base import Transport
 from .transport.torch_p2p import TorchP2PTransport
 
@@ -68,7 +69,8 @@ class Backend:
     def build(self, group: Group, device: torch.device) -> Engine:
         """The engine of ``group`` on ``device``."""
         if self.make_transport is not None:
-            return AlgorithmEngine(self.make_transport(group, device), group.tuning, device)
+            layout = Layout.from_keys(group.hosts)
+            return AlgorithmEngine(self.make_transport(group, device), group.tuning, device, layout)
         engine = self.make_engine(group, device)
         if not isinstance(engine, Engine):
             raise TypeError(

@@ -37,11 +37,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
-from . import api, ring
+from . import api, costmodel, ring
 from .backends import backend_argument, describe_backends, device_type_of
 from .engine import AlgorithmEngine, Engine
 from .group import Group, get_default_group, new_group
 from .launch import launch
+from .topology import Layout
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ def _human(nbytes: int) -> str:
 class _Case:
     """Buffers for one (op, dtype, size), allocated once and reused by every backend and iteration."""
 
-    def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int, device: torch.device):
-        self.op, self.rank, self.n = op, rank, n
+    def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int, device: torch.device,
+                 algorithm: str = "auto"):
+        self.op, self.rank, self.n, self.algorithm = op, rank, n, algorithm
         esize = torch.empty((), dtype=dtype).element_size()
         count = max(n, nbytes // esize // n * n)  # divisible by n: every op can use it
         self.count = count
@@ -94,10 +96,11 @@ class _Case:
 
     def run(self, backend: str, group: Any) -> None:
         op, w, out, n = self.op, self.work, self.out, self.n
+        algorithm = self.algorithm if group is None else "auto"  # the reference has no algorithms
         if op == "all_reduce":
-            api.all_reduce(w, group=group)
+            api.all_reduce(w, group=group, algorithm=algorithm)
         elif op == "broadcast":
-            api.broadcast(w, src=0, group=group)
+            api.broadcast(w, src=0, group=group, algorithm=algorithm)
         elif op == "reduce_scatter":
             api.reduce_scatter_tensor(self.small, self.pristine, group=group)
         elif op == "all_gather":
@@ -178,19 +181,29 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
 
 
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
-               tuning: dict[str, int], backend: str = "p2p") -> list[dict]:
-    """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`."""
+               tuning: dict[str, int], backend: str = "p2p", algorithm: str = "auto", model: bool = False) -> list[dict]:
+    """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`.
+
+    ``algorithm`` is forced on our all_reduce / broadcast; ``model`` fits α/β by ping-pong first
+    and adds the cost model's prediction to every row (:mod:`collectives.costmodel`).
+    """
     torch.set_num_threads(1)
     ours = get_default_group()
     for field, value in tuning.items():
         setattr(ours.tuning, field, value)
     device, reference, sync = _setup(rank, n, backend)
     engine = ours.engine(device, "bench")
+    layout = Layout.from_keys(ours.hosts)
+    if model and not isinstance(engine, AlgorithmEngine):
+        raise ValueError(f"--model needs a backend running our algorithms over a transport, not {type(engine).__name__}")
+    links = costmodel.measure(engine.transport, layout) if model else None
+    if links and rank == 0:
+        log.warning("fitted links: net %s; local %s", links["net"], links["local"])
     rows = []
     for op in ops:
         for dtype_name in dtypes:
             for nbytes in sizes:
-                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device)
+                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device, algorithm)
                 warm, timed = _iterations(nbytes, iters)
                 times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
                 cpu: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
@@ -229,6 +242,11 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
                     row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
+                    row["algorithm"] = costmodel.algorithm_for(op, algorithm, size, layout, ours.tuning)
+                    if links:
+                        row["model_us"] = 1e6 * costmodel.predict(
+                            op, size, layout, links["net"], links["local"], ours.tuning, algorithm)
+                        row["net_alpha"], row["net_beta"] = links["net"].alpha, links["net"].beta
                     rows.append(row)
                     log.info("%s", format_row(row))
     if device.type != "cpu":
@@ -253,7 +271,12 @@ def format_row(r: dict, cpu: bool = False) -> str:
             f"{num(r['torch_us'], 10, 1)}{num(r['torch_busbw'], 7, 2)} |"
             f"{num(r['wire_us'], 10, 1)}{num(r['wire_busbw'], 7, 2)} |"
             f"{num(r['vs_torch'], 9, 2, 'x')}{num(r['vs_wire'], 8, 2, 'x')}"
-            + (f" |{num(r['ours_cpu_ms'], 14, 1)}{num(r['torch_cpu_ms'], 7, 1)}{num(r['wire_cpu_ms'], 7, 1)}" if cpu else ""))
+            + (f" |{num(r['ours_cpu_ms'], 14, 1)}{num(r['torch_cpu_ms'], 7, 1)}{num(r['wire_cpu_ms'], 7, 1)}" if cpu else "")
+            + (f" | {r['algorithm']:<18}{num(r['model_us'], 10, 1)}{num(r['model_us'] / r['ours_us'], 7, 2, 'x')}"
+               if "model_us" in r else ""))
+
+
+MODEL_HEADER = f" | {'algorithm':<18}{'model us':>10}{'/ours':>7}"
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -303,6 +326,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
     p.add_argument("--cpu", action="store_true",
                    help="also print CPU ms per call (user + system, all threads, mean over ranks)")
+    p.add_argument("--algorithm", default="auto",
+                   help="force our all_reduce / broadcast algorithm (ring, recursive_doubling, hierarchical, ...)")
+    p.add_argument("--model", action="store_true",
+                   help="fit alpha/beta by ping-pong and print the cost model's prediction next to each row")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="run the ranks on this many emulated hosts (network namespaces; needs root), "
+                        "world size / hosts ranks on each")
+    p.add_argument("--netem", help="with --hosts: tc netem on every host's link, e.g. 'delay 1ms rate 1gbit'")
+    p.add_argument("--tbf", help="with --hosts: tc tbf on every host's link, e.g. 'rate 1gbit burst 256kb latency 50ms'")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -321,10 +353,20 @@ def main(argv: list[str] | None = None) -> int:
     tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),
                                  ("chain_bytes", args.chain_bytes), ("depth", args.depth)) if v is not None}
     rows: list[dict] = []
-    print(HEADER + (CPU_HEADER if args.cpu else ""))
-    for n in (int(x) for x in args.world_sizes.split(",")):
-        result = launch(bench_rank, n, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend,
-                        backend=args.backend, log_level=logging.WARNING)[0]
+    world_sizes = [int(x) for x in args.world_sizes.split(",")]
+    link = f"netem {args.netem}" if args.netem else f"tbf {args.tbf}" if args.tbf else None
+    if args.hosts:
+        from .testing.hosts import link_unavailable, unavailable
+
+        reason = unavailable() or (link_unavailable(link) if link else None)
+        if reason or any(n % args.hosts for n in world_sizes):
+            p.error(reason or f"--hosts {args.hosts}: every world size must be a multiple of it")
+    print(HEADER + (CPU_HEADER if args.cpu else "") + (MODEL_HEADER if args.model else ""))
+    for n in world_sizes:
+        job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
+               args.model)
+        result = _run_hosts(args.hosts, link, n, job) if args.hosts else launch(
+            job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
             print(format_row(r, args.cpu))
         sys.stdout.flush()
@@ -335,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(rows, args.plot)
     return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def _run_hosts(hosts: int, link: str | None, n: int, job: tuple) -> list[dict]:
+    """Rank 0's rows of ``job`` run on ``hosts`` emulated hosts, ``n / hosts`` ranks on each."""
+    from .testing.hosts import HostNet
+
+    with HostNet(hosts, link) as net:
+        return net.launch(job[0], n // hosts, *job[1:], backend=job[6], join_timeout=3600)[0]
 
 
 if __name__ == "__main__":

@@ -23,14 +23,15 @@ from typing import ContextManager, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from . import direct, ring, tree
+from . import direct, hierarchical, ring, tree
 from .buffers import Workspace
 from .ops import ReduceOp, finish
+from .topology import Layout
 from .transport.base import Transport
 
 #: the ``algorithm=`` choices of all_reduce, broadcast and reduce.
-ALL_REDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling")
-BROADCAST_ALGORITHMS = ("auto", "chain", "binomial")
+ALL_REDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")
+BROADCAST_ALGORITHMS = ("auto", "chain", "binomial", "hierarchical")
 REDUCE_ALGORITHMS = ("auto", "ring", "binomial")
 
 
@@ -110,6 +111,14 @@ class Tuning:
     segment_bytes: int = 4 << 20
     depth: int = 4
 
+    @classmethod
+    def from_alpha_beta(cls, alpha: float, beta: float, world_size: int) -> "Tuning":
+        """Thresholds where the cost formulas cross for a link of latency ``alpha`` seconds and
+        ``beta`` seconds per byte (see :func:`collectives.costmodel.tuning`)."""
+        from .costmodel import Link, tuning
+
+        return tuning(Link(alpha, beta), world_size, cls())
+
 
 def as_one_buffer(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """``parts`` as one flat tensor if they are consecutive views of one buffer, else ``None``.
@@ -136,13 +145,18 @@ class AlgorithmEngine:
         transport: the wire; its ranks are the group's ranks.
         tuning: the group's :class:`Tuning`, shared and read at every call.
         device: the device of the tensors (scratch buffers live there).
+        layout: which ranks share a host (default: one host). When the group spans hosts with
+            the same number of ranks on each, ``auto`` picks the hierarchical algorithms
+            (``hierarchical.py``) for all_reduce, broadcast and large all_gather / reduce_scatter.
     """
 
-    def __init__(self, transport: Transport, tuning: Tuning, device: torch.device):
+    def __init__(self, transport: Transport, tuning: Tuning, device: torch.device, layout: Layout | None = None):
         self.transport = transport
         self.tuning = tuning
         self.device = torch.device(device)
         self.workspace = Workspace()
+        self.layout = layout or Layout((tuple(range(transport.world_size)),))
+        self._hierarchy: hierarchical.Hierarchy | None = None
 
     def transport_op(self, name: str) -> ContextManager[None]:
         return self.transport.operation(name)
@@ -154,18 +168,38 @@ class AlgorithmEngine:
         """``buf`` holds at most ``limit`` bytes (default: ``tuning.small_bytes``)."""
         return buf.numel() * buf.element_size() <= (self.tuning.small_bytes if limit is None else limit)
 
+    def _spans_hosts(self) -> bool:
+        return self.layout.spans_hosts and self.layout.uniform
+
+    def hierarchy(self) -> hierarchical.Hierarchy:
+        """This rank's host and rail views of the transport; the layout must be uniform."""
+        if not self.layout.uniform:
+            sizes = [len(h) for h in self.layout.hosts]
+            raise ValueError(f"hierarchical algorithms need the same number of ranks on every host, got {sizes}")
+        if self._hierarchy is None:
+            self._hierarchy = hierarchical.Hierarchy.of(self.transport, self.layout)
+        return self._hierarchy
+
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto":
-            algorithm = "recursive_doubling" if self._is_small(buf) else "ring"
-        if algorithm == "ring":
+            small = "recursive_doubling" if self._is_small(buf) else "ring"
+            algorithm = "hierarchical" if self._spans_hosts() else small
+        if algorithm == "hierarchical":
+            hierarchical.all_reduce(
+                self.hierarchy(), buf, op, self.workspace, self._segment_elems(buf), self.tuning.depth,
+                self.tuning.small_bytes // buf.element_size(),
+            )
+        elif algorithm == "ring":
             ring.all_reduce(self.transport, buf, op, self.workspace, self._segment_elems(buf), self.tuning.depth)
         else:
             tree.recursive_doubling_all_reduce(self.transport, buf, op, self.workspace)
 
     def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
-        if algorithm == "auto":
-            algorithm = "binomial" if self._is_small(buf, self.tuning.chain_bytes) else "chain"
-        if algorithm == "chain":
+        large = not self._is_small(buf, self.tuning.chain_bytes)
+        chain = algorithm == "chain" or (algorithm in ("auto", "hierarchical") and large)
+        if algorithm == "hierarchical" or (algorithm == "auto" and self._spans_hosts()):
+            hierarchical.broadcast(self.hierarchy(), buf, src, self._segment_elems(buf), self.tuning.depth, chain)
+        elif chain:
             ring.chain_broadcast(self.transport, buf, src, self._segment_elems(buf), self.tuning.depth)
         else:
             tree.binomial_broadcast(self.transport, buf, src)
@@ -201,11 +235,20 @@ class AlgorithmEngine:
         if self._is_small(out):  # one round of direct exchanges instead of n - 1 ring steps
             direct.all_to_all(self.transport, [out[i * m : (i + 1) * m] for i in range(n)], [inp] * n)
             return
+        if self._spans_hosts():
+            seg = self._segment_elems(out)
+            hierarchical.all_gather(self.hierarchy(), out, inp, self.workspace, seg, self.tuning.depth)
+            return
         out[r * m : (r + 1) * m].copy_(inp)
         ring.all_gather(self.transport, out, [i * m for i in range(n + 1)], self._segment_elems(out), self.tuning.depth)
 
     def reduce_scatter(self, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
         n, r, m = self.transport.world_size, self.transport.rank, out.numel()
+        if self._spans_hosts():
+            hierarchical.reduce_scatter(
+                self.hierarchy(), out, ins, op, self.workspace, self._segment_elems(out), self.tuning.depth
+            )
+            return
         work = self.workspace.get("reduce-scatter", n * m, out.dtype, out.device)
         source = as_one_buffer(ins)
         if source is not None:

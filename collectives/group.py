@@ -38,11 +38,17 @@ _CPU = torch.device("cpu")
 
 
 def host_key() -> str:
-    """``hostname/boot id/device of /dev/shm``: equal exactly for processes that can share memory."""
+    """``hostname/boot id/network namespace/device of /dev/shm``: equal exactly for processes that
+    can share memory *and* reach each other without a network. The network namespace counts so
+    that emulated hosts (namespaces of one machine, :mod:`collectives.testing.hosts`) are hosts."""
     parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             parts.append(f.read().strip())
+    except OSError:
+        parts.append("-")
+    try:
+        parts.append(f"net{os.stat('/proc/self/ns/net').st_ino}")
     except OSError:
         parts.append("-")
     try:

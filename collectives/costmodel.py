@@ -1,0 +1,266 @@
+"""The α/β cost model: measure a link, fit it, predict collectives, derive :class:`Tuning`.
+
+Every algorithm's docstring gives its cost in two numbers per link: ``α``, the fixed time of one
+message (latency, posting, waking the receiver), and ``β``, the seconds per byte (1 / bandwidth).
+This module measures them and checks the formulas against the clock:
+
+* :func:`ping_pong` times round trips between two ranks at several sizes; one way is half the
+  fastest round trip (the minimum filters out the scheduling noise of a busy host, which only
+  ever adds time). :func:`exchange` times both ranks of a pair sending at once, as a ring step
+  does, on every host at the same time.
+* :func:`fit` fits ``t(S) = α + β S``: ``β`` by least squares (the large messages decide it),
+  ``α`` from the smallest message.
+* :func:`predict` evaluates the cost formula of the algorithm the engine picks (or the one
+  forced) for an op, a size and a host layout, with the network link ``net`` between hosts and
+  the ``local`` link inside a host.
+* :func:`tuning` turns a fitted link into :class:`~collectives.engine.Tuning`: the sizes where the
+  formulas of two algorithms cross.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+import torch
+
+from .engine import Tuning
+from .topology import Layout
+from .transport.base import Transport, wait_all
+
+PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A fitted link: ``t(S) = alpha + beta * S`` seconds for one message of ``S`` bytes."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float, messages: float = 1.0) -> float:
+        return messages * self.alpha + nbytes * self.beta
+
+    def __str__(self) -> str:
+        bw = 1 / self.beta / 1e9 if self.beta > 0 else math.inf
+        return f"alpha {self.alpha * 1e6:.1f} us, beta {self.beta * 1e9:.3f} ns/B ({bw:.2f} GB/s)"
+
+
+def ping_pong(
+    transport: Transport, a: int, b: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
+) -> list[tuple[int, float]]:
+    """One-way times ``[(bytes, seconds)]`` between ranks ``a`` and ``b`` (others return ``[]``).
+
+    Rank ``a`` sends, ``b`` echoes; one way = fastest round trip / 2 after one warm-up.
+    """
+    r = transport.rank
+    if r not in (a, b) or a == b:
+        return []
+    peer = b if r == a else a
+    samples = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        trips = []
+        for i in range(iters + 1):
+            start = time.perf_counter()
+            if r == a:
+                transport.send(buf, peer)
+                transport.recv(buf, peer)
+            else:
+                transport.recv(buf, peer)
+                transport.send(buf, peer)
+            if i:
+                trips.append(time.perf_counter() - start)
+        samples.append((nbytes, min(trips) / 2))
+    return samples
+
+
+def exchange(
+    transport: Transport, partner: int | None, sizes: Sequence[int] = PING_SIZES, iters: int = 10
+) -> list[tuple[int, float]]:
+    """Times ``[(bytes, seconds)]`` of swapping ``S`` bytes with ``partner`` (``[]`` without one).
+
+    Both sides send and receive at once, as in a ring step; when every host's pair runs this at
+    the same moment, the fit includes what the pairs cost each other (shared cores and memory:
+    all emulated hosts of one machine share its CPUs). Fastest of ``iters`` after one warm-up.
+    """
+    if partner is None:
+        return []
+    samples = []
+    for nbytes in sizes:
+        out, inc = torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        steps = []
+        for i in range(iters + 1):
+            start = time.perf_counter()
+            wait_all(transport.post(sends=[(out, partner)], recvs=[(inc, partner)]))
+            if i:
+                steps.append(time.perf_counter() - start)
+        samples.append((nbytes, min(steps)))
+    return samples
+
+
+def fit(samples: Sequence[tuple[int, float]]) -> Link:
+    """Hockney's fit: ``β`` = least-squares slope of time over bytes, ``α`` = the smallest message's time.
+
+    The slope is fitted on absolute error, so the large messages, where bandwidth shows, decide
+    ``β``; ``α`` is what the smallest message costs beyond its bytes. (A relative-error fit of
+    both is pulled off by any mid-size regime that is not on the line, e.g. a token bucket's
+    burst, which lets the first burst-size bytes through at line rate.)
+    """
+    if len(samples) < 2:
+        raise ValueError(f"fit: need at least two sizes, got {len(samples)}")
+    sizes = torch.tensor([s for s, _ in samples], dtype=torch.float64)
+    times = torch.tensor([t for _, t in samples], dtype=torch.float64)
+    ds = sizes - sizes.mean()
+    beta = max(0.0, float((ds * (times - times.mean())).sum() / (ds * ds).sum()))
+    small = int(sizes.argmin())
+    return Link(max(0.0, float(times[small] - beta * sizes[small])), beta)
+
+
+def measure(transport: Transport, layout: Layout, sizes: Sequence[int] = PING_SIZES) -> dict[str, Link]:
+    """Fit ``"net"`` and ``"local"`` links on every rank of the group (all must call it).
+
+    ``net``: ping-pong between rank 0 and the first rank of host 1, the others idle (one stream
+    on the network, whose β is the host interface's). ``local``: the first two ranks of *every*
+    host exchange at once (:func:`exchange`), like the intra-host steps of a hierarchical
+    collective. A missing kind of link gets the other's fit. Rank 0 fits and sends the numbers
+    to all, so every rank returns the same links.
+    """
+    r = transport.rank
+    fits = torch.zeros(4, dtype=torch.float64)
+    if layout.spans_hosts:
+        samples = ping_pong(transport, 0, layout.hosts[1][0], sizes)
+        if r == 0:
+            fits[:2] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+    if len(layout.hosts[0]) > 1:
+        pair = layout.local(r)[:2]
+        samples = exchange(transport, pair[1 - pair.index(r)] if r in pair else None, sizes)
+        if r == 0:
+            fits[2:] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+    if r == 0:
+        wait_all(transport.post(sends=[(fits, peer) for peer in range(1, transport.world_size)]))
+    else:
+        transport.recv(fits, 0)
+    net, local = Link(*fits[:2].tolist()), Link(*fits[2:].tolist())
+    return {"net": net if layout.spans_hosts else local, "local": local if len(layout.hosts[0]) > 1 else net}
+
+
+def _log2(n: int) -> int:
+    return max(0, (n - 1).bit_length())
+
+
+def _rd_steps(n: int) -> int:
+    """Recursive doubling: ``log2 n`` exchanges, two more when ``n`` is not a power of two."""
+    return _log2(n) + (2 if n & (n - 1) else 0)
+
+
+def _contiguous(layout: Layout) -> bool:
+    """Hosts hold consecutive ranks, the same power-of-two number each (host-major placement)."""
+    per_host = len(layout.hosts[0])
+    return per_host & (per_host - 1) == 0 and all(
+        ranks == tuple(range(h * per_host, (h + 1) * per_host)) for h, ranks in enumerate(layout.hosts))
+
+
+def algorithm_for(op: str, algorithm: str, nbytes: int, layout: Layout, tuning: Tuning) -> str:
+    """The algorithm :class:`~collectives.engine.AlgorithmEngine` runs (mirrors its choices)."""
+    spans = layout.spans_hosts and layout.uniform
+    if op == "all_reduce":
+        if algorithm != "auto":
+            return algorithm
+        return "hierarchical" if spans else "recursive_doubling" if nbytes <= tuning.small_bytes else "ring"
+    if op == "broadcast":
+        if algorithm in ("hierarchical", "chain", "binomial"):
+            return algorithm
+        return "hierarchical" if spans else "binomial" if nbytes <= tuning.chain_bytes else "chain"
+    if op == "all_gather":
+        return "direct" if nbytes <= tuning.small_bytes else "hierarchical" if spans else "ring"
+    if op == "reduce_scatter":
+        return "hierarchical" if spans else "ring"
+    return "direct"
+
+
+def predict(
+    op: str, nbytes: int, layout: Layout, net: Link, local: Link,
+    tuning: Tuning | None = None, algorithm: str = "auto",
+) -> float:
+    """Seconds the α/β model gives for ``op`` on ``nbytes`` (nccl-tests' size) over ``layout``.
+
+    Steps that cross hosts pay ``net``; steps inside a host pay ``local``. A flat algorithm over a
+    group that spans hosts is paced by its slowest hop, the network. The ``L`` rails of a
+    hierarchical phase share one network interface per host, so they pay ``L`` times the bytes.
+    """
+    tuning = tuning or Tuning()
+    n, hosts, per_host = sum(len(h) for h in layout.hosts), len(layout.hosts), len(layout.hosts[0])
+    flat = net if layout.spans_hosts else local
+    s = float(nbytes)
+    name = algorithm_for(op, algorithm, nbytes, layout, tuning)
+    if n == 1:
+        return 0.0
+    if op == "all_reduce":
+        if name == "ring":
+            return flat.time(2 * (n - 1) / n * s, 2 * (n - 1))
+        if name == "recursive_doubling":
+            # Rounds whose partners are closer than a host's size stay inside it; in the others
+            # every rank of a host sends the whole buffer through the host's one interface.
+            inside = _log2(per_host) if _contiguous(layout) and n & (n - 1) == 0 else 0
+            crossing = _rd_steps(n) - inside
+            sharing = per_host if layout.spans_hosts else 1
+            return local.time(inside * s, inside) + flat.time(crossing * s * sharing, crossing)
+        chunk = s / per_host
+        inside = local.time(2 * (per_host - 1) / per_host * s, 2 * (per_host - 1))
+        if chunk <= tuning.small_bytes:
+            across = net.time(_rd_steps(hosts) * chunk * per_host, _rd_steps(hosts))
+        else:
+            across = net.time(2 * (hosts - 1) / hosts * s, 2 * (hosts - 1))
+        return inside + across
+    if op == "broadcast":
+        chain = nbytes > tuning.chain_bytes
+
+        def one(link: Link, m: int) -> float:
+            if m == 1:
+                return 0.0
+            if chain:
+                k = max(1, math.ceil(s / tuning.segment_bytes)) if m > 2 else 1
+                return link.time((m - 2 + k) * s / k, m - 2 + k)
+            return link.time(_log2(m) * s, _log2(m))
+
+        if name == "hierarchical":
+            return one(net, hosts) + one(local, per_host)
+        return one(flat, n)
+    if op in ("all_gather", "reduce_scatter"):
+        if name == "direct":
+            return flat.time((n - 1) / n * s, n - 1)
+        if name == "hierarchical":
+            across = net.time((hosts - 1) / hosts * s, hosts - 1)
+            return across + local.time((per_host - 1) / per_host * s, per_host - 1)
+        return flat.time((n - 1) / n * s, n - 1)
+    return flat.time((n - 1) / n * s, n - 1)  # scatter, gather, all_to_all: direct
+
+
+def tuning(link: Link, world_size: int, base: Tuning | None = None) -> Tuning:
+    """:class:`Tuning` for a network with ``link``'s α and β and ``world_size`` ranks.
+
+    * ``small_bytes``: where recursive doubling ``r(α + Sβ)`` (``r`` exchanges) meets the ring
+      ``2(n - 1)α + 2(n - 1)/n · Sβ``: ``S* = α (2(n - 1) - r) / (β (r - 2(n - 1)/n))``. With two
+      ranks both move ``S`` and recursive doubling always wins (one message instead of two).
+    * ``segment_bytes``: large enough that a segment's ``α`` is at most 1/8 of its ``Sβ``
+      (``8 α/β``), rounded to a power of two, between 64 KiB and 16 MiB.
+    * ``chain_bytes``: on a network (ranks not sharing cores) the chain's ``≈ Sβ`` beats the
+      tree's ``log2(n) Sβ`` once past the latency regime: equal to ``small_bytes``.
+    """
+    base = base or Tuning()
+    n = world_size
+    if link.beta <= 0:
+        return dataclasses.replace(base)
+    r = _rd_steps(n)
+    ring_bw = 2 * (n - 1) / n
+    if n <= 2 or r <= ring_bw:
+        small = 1 << 40
+    else:
+        small = max(0, int(link.alpha * (2 * (n - 1) - r) / (link.beta * (r - ring_bw))))
+    seg = 8 * link.alpha / link.beta
+    seg = 1 << min(24, max(16, round(math.log2(max(seg, 1)))))
+    small = min(small, 1 << 40)
+    return dataclasses.replace(base, small_bytes=small, chain_bytes=small, segment_bytes=seg)

@@ -1,0 +1,150 @@
+"""Hierarchical collectives: work inside each host first, cross the network once per host.
+
+When a group spans ``H`` hosts with ``L`` ranks each (``n = H L``), its links are of two kinds:
+inside a host (loopback or shared memory: latency ``α_l``, seconds per byte ``β_l``) and across
+hosts (the network: ``α_n``, ``β_n``, and one network interface shared by the host's ``L`` ranks).
+A flat ring over ranks laid out host by host crosses the network at every host boundary, and
+every one of its ``2(n - 1)`` steps waits for its slowest link, a network one:
+
+    flat ring all-reduce:   2(n - 1) α_n + 2(n - 1)/n · S β_n
+
+The hierarchical all-reduce (as in NCCL's trees over rings and Horovod's hierarchical allreduce)
+splits the buffer into ``L`` chunks and uses each local rank as a *rail*: local rank ``j`` of
+every host owns chunk ``j``.
+
+1. **Reduce-scatter inside each host** (ring over the ``L`` local ranks): local rank ``j`` ends
+   with chunk ``j`` summed over its host. ``(L - 1) α_l + (L - 1)/L · S β_l``.
+2. **All-reduce along each rail** (the ``H`` ranks with local rank ``j``, one per host), by
+   recursive doubling for small chunks and the ring for large ones; the ``L`` rails run at once
+   and share each host's network interface, which carries ``2(H - 1)/H · S`` bytes in all:
+   ``2(H - 1) α_n + 2(H - 1)/H · S β_n`` (ring).
+3. **All-gather inside each host**: every local rank gets every finished chunk.
+   ``(L - 1) α_l + (L - 1)/L · S β_l``.
+
+Against the flat ring the network sees ``2(H - 1)`` instead of ``2(n - 1)`` latencies and
+``(H - 1)/H`` instead of ``(n - 1)/n`` of the bytes per interface (2 hosts × 2 ranks: 2 instead of 6
+network latencies, 0.5 S instead of 0.75 S); the intra-host phases cost memory bandwidth.
+
+Identical bits on every rank: each element is reduced over its host by one rank (phase 1), then
+across hosts by the rail's algorithm, which is itself bitwise identical on all rail members, and
+afterwards only copied. AVG sums throughout and divides once, by ``n``, after phase 2.
+
+The same split serves the other collectives (rank-major order: the ``H`` ranks of local rank 0,
+then of local rank 1, ...):
+
+* **all_gather**: ring all-gather along the rails, then inside each host; the network carries
+  ``(H - 1)/H · S`` per host instead of ``(n - 1)/n · S``.
+* **reduce_scatter**: ring reduce-scatter inside each host, then along the rails.
+* **broadcast**: along the root's rail (binomial tree or chain), then inside each host from the
+  rail member: each host receives the data once.
+
+These need every host to run the same number of ranks of the group (a *uniform* layout); the
+engine uses them only then. Intra-host and rail traffic use :class:`SubsetTransport` views of the
+group's transport, so every phase is an ordinary algorithm from ``ring.py`` / ``tree.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from . import ring, tree
+from .buffers import Workspace
+from .ops import ReduceOp, finish
+from .topology import Layout
+from .transport.base import Transport
+from .transport.subset import SubsetTransport
+
+
+@dataclasses.dataclass
+class Hierarchy:
+    """This rank's two views of a group's transport: its host (``intra``) and its rail (``inter``).
+
+    ``intra.rank`` is the local rank ``j``, ``inter.rank`` the host index ``h``.
+    """
+
+    layout: Layout
+    intra: Transport
+    inter: Transport
+
+    @classmethod
+    def of(cls, transport: Transport, layout: Layout) -> "Hierarchy":
+        me = transport.rank
+        return cls(layout, SubsetTransport(transport, layout.local(me)), SubsetTransport(transport, layout.rail(me)))
+
+    @property
+    def size(self) -> int:
+        return self.intra.world_size * self.inter.world_size
+
+    def position(self, rank: int) -> int:
+        """``rank``'s position in rank-major order (local rank, then host)."""
+        h = self.layout.host_of(rank)
+        return self.layout.hosts[h].index(rank) * self.inter.world_size + h
+
+
+def all_reduce(
+    hier: Hierarchy, buf: torch.Tensor, op: ReduceOp, workspace: Workspace,
+    segment_elems: int, depth: int, small_elems: int,
+) -> None:
+    """Reduce-scatter in the host, all-reduce along the rail, all-gather in the host (in place)."""
+    inner = ReduceOp.SUM if op is ReduceOp.AVG else op
+    bounds = ring.balanced_bounds(buf.numel(), hier.intra.world_size)
+    ring.reduce_scatter(hier.intra, buf, bounds, inner, workspace, segment_elems, depth)
+    j = hier.intra.rank
+    chunk = buf[bounds[j] : bounds[j + 1]]
+    if chunk.numel() <= small_elems:
+        tree.recursive_doubling_all_reduce(hier.inter, chunk, inner, workspace)
+    else:
+        ring.all_reduce(hier.inter, chunk, inner, workspace, segment_elems, depth)
+    finish(op, chunk, hier.size)
+    ring.all_gather(hier.intra, buf, bounds, segment_elems, depth)
+
+
+def all_gather(
+    hier: Hierarchy, out: torch.Tensor, inp: torch.Tensor, workspace: Workspace, segment_elems: int, depth: int
+) -> None:
+    """All-gather along the rail, then in the host, in rank-major order; then reorder into ``out``."""
+    m, hosts = inp.numel(), hier.inter.world_size
+    stage = workspace.get("hierarchical", out.numel(), out.dtype, out.device)
+    mine = hier.intra.rank * hosts * m  # this rail's block of the staging buffer
+    stage[mine + hier.inter.rank * m : mine + (hier.inter.rank + 1) * m].copy_(inp)
+    ring.all_gather(hier.inter, stage[mine : mine + hosts * m], [h * m for h in range(hosts + 1)], segment_elems, depth)
+    ring.all_gather(hier.intra, stage, [j * hosts * m for j in range(hier.intra.world_size + 1)], segment_elems, depth)
+    for r in range(hier.size):
+        p = hier.position(r)
+        out[r * m : (r + 1) * m].copy_(stage[p * m : (p + 1) * m])
+
+
+def reduce_scatter(
+    hier: Hierarchy, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp, workspace: Workspace,
+    segment_elems: int, depth: int,
+) -> None:
+    """Stage ``ins`` rank-major, reduce-scatter in the host, then along the rail (``ins`` unchanged)."""
+    m, hosts = out.numel(), hier.inter.world_size
+    stage = workspace.get("hierarchical", hier.size * m, out.dtype, out.device)
+    for r, piece in enumerate(ins):
+        p = hier.position(r)
+        stage[p * m : (p + 1) * m].copy_(piece)
+    blocks = [j * hosts * m for j in range(hier.intra.world_size + 1)]
+    ring.reduce_scatter(hier.intra, stage, blocks, op, workspace, segment_elems, depth)
+    mine = stage[hier.intra.rank * hosts * m : (hier.intra.rank + 1) * hosts * m]
+    ring.reduce_scatter(hier.inter, mine, [h * m for h in range(hosts + 1)], op, workspace, segment_elems, depth)
+    out.copy_(mine[hier.inter.rank * m : (hier.inter.rank + 1) * m])
+    finish(op, out, hier.size)
+
+
+def broadcast(hier: Hierarchy, buf: torch.Tensor, src: int, segment_elems: int, depth: int, chain: bool) -> None:
+    """Broadcast along ``src``'s rail (chain or binomial tree), then inside every host."""
+    layout = hier.layout
+    local_src = layout.local(src).index(src)
+    if hier.intra.rank == local_src:
+        if chain:
+            ring.chain_broadcast(hier.inter, buf, layout.host_of(src), segment_elems, depth)
+        else:
+            tree.binomial_broadcast(hier.inter, buf, layout.host_of(src))
+    if chain:
+        ring.chain_broadcast(hier.intra, buf, local_src, segment_elems, depth)
+    else:
+        tree.binomial_broadcast(hier.intra, buf, local_src)

@@ -1,0 +1,174 @@
+"""Collectives across emulated hosts (network namespaces on a bridge): `pytest -m hosts`.
+
+Needs root, `ip` and `tc`; skips with the reason elsewhere. Every test checks that it leaves no
+namespace behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+import collectives
+from collectives.group import get_default_group
+from collectives.ops import ReduceOp
+from collectives.testing import Case, bitwise_equal
+from collectives.testing.checks import compare_with_reference
+from collectives.testing.hosts import HostNet, sweep, unavailable
+from collectives.testing.strategies import COLLECTIVES, REDUCING
+
+pytestmark = pytest.mark.hosts
+
+
+@pytest.fixture(autouse=True)
+def namespace_hosts():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    yield
+    assert not _ours(), f"namespaces left behind: {_ours()}"
+
+
+def _ours() -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(f"rdh{os.getpid()}x")]
+
+
+def _cases(world_size: int, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
+    shapes = [(), (0,), (world_size - 1,), (7, 3), (1001,)]
+    out = []
+    for i, (name, dtype, shape) in enumerate((n, d, s) for n in COLLECTIVES for d in dtypes for s in shapes):
+        if name in ("all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor") and not shape:
+            continue
+        if name == "all_to_all_single":  # dim 0 splits evenly
+            shape = (shape[0] * world_size,) + shape[1:]
+        ops = [ReduceOp.SUM, ReduceOp.MAX] + ([ReduceOp.AVG] if dtype.is_floating_point else [ReduceOp.PRODUCT])
+        algorithms = ["auto", "hierarchical"] if name in ("all_reduce", "broadcast") else ["auto"]
+        for op in ops if name in REDUCING else [ReduceOp.SUM]:
+            for algorithm in algorithms:
+                out.append(Case(name, dtype, shape, op, ("contiguous", "strided")[i % 2], (0, world_size - 1)[i % 2],
+                                seed=i, algorithm=algorithm))
+    return out
+
+
+def compare_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
+    get_default_group().tuning.small_bytes = 64  # exercise the hierarchical ring paths at small sizes
+    return [compare_with_reference(rank, world_size, case) for case in cases]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "hosts,per_host,dtypes", [(2, 2, (torch.float32, torch.float16, torch.int64)), (3, 2, (torch.float32,))]
+)
+def test_every_collective_matches_torch(hosts, per_host, dtypes):
+    n = hosts * per_host
+    cases = _cases(n, dtypes)
+    with HostNet(hosts=hosts) as net:
+        results = net.launch(compare_cases, per_host, cases, timeout=30, join_timeout=200)
+    for c, case in enumerate(cases):
+        for rank in range(n):
+            ours, ref = results[rank][c]["ours"], results[rank][c]["reference"]
+            for a, b in zip(ours, ref):
+                assert torch.equal(a, b), f"{case}: rank {rank} differs from torch's\nours {a}\nref  {b}"
+        if case.collective == "all_reduce":
+            assert all(bitwise_equal(results[r][c]["ours"][0], results[0][c]["ours"][0]) for r in range(n)), case
+
+
+def layout_and_choice(rank: int, world_size: int) -> tuple:
+    engine = get_default_group().engine(torch.device("cpu"), "test")
+    t = torch.ones(1 << 12)
+    collectives.all_reduce(t)
+    return engine.layout.hosts, engine.hierarchy().intra.world_size, engine.hierarchy().inter.world_size, t[0].item()
+
+
+@pytest.mark.timeout(60)
+def test_layout_from_namespaces():
+    with HostNet(hosts=2) as net:
+        results = net.launch(layout_and_choice, 2, timeout=20)
+    assert results == [(((0, 1), (2, 3)), 2, 2, 4.0)] * 4
+
+
+def all_reduce_until_error(rank: int, world_size: int, marker_dir: str) -> tuple:
+    t = torch.ones(1 << 18)
+    collectives.all_reduce(t)
+    open(os.path.join(marker_dir, str(rank)), "w").close()
+    start = time.monotonic()
+    try:
+        while True:
+            collectives.all_reduce(t)
+    except collectives.CollectiveError as exc:
+        return type(exc).__name__, time.monotonic() - start, exc.op
+
+
+@pytest.mark.timeout(90)
+def test_link_down_mid_all_reduce_raises_everywhere(tmp_path):
+    timeout = 5.0
+
+    def cut(net: HostNet) -> None:
+        while len(os.listdir(tmp_path)) < 4:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        net.set_link(1, up=False)
+
+    with HostNet(hosts=2) as net:
+        threading.Thread(target=cut, args=(net,), daemon=True).start()
+        started = time.monotonic()
+        results = net.launch(all_reduce_until_error, 2, str(tmp_path), timeout=timeout, join_timeout=60)
+        elapsed = time.monotonic() - started
+    for rank, (kind, after, op) in enumerate(results):
+        assert op == "all_reduce", (rank, kind, op)
+        assert after < 4 * timeout, f"rank {rank} raised {kind} only after {after:.1f}s"
+    assert elapsed < 50
+
+
+def fails(rank: int, world_size: int) -> None:
+    raise RuntimeError(f"rank {rank} fails on purpose")
+
+
+@pytest.mark.timeout(60)
+def test_cleanup_after_failure_and_stale_sweep():
+    with pytest.raises(RuntimeError, match="fails on purpose"):
+        with HostNet(hosts=2) as net:
+            net.launch(fails, 1, timeout=10)
+    assert not _ours()
+    # a namespace named like one of a crashed run (a pid that no longer exists) is swept
+    subprocess.run(["ip", "netns", "add", "rdh999999999x0-h0"], check=True)
+    assert "rdh999999999x0-h0" in sweep()
+
+
+@pytest.mark.timeout(300)
+def test_bench_between_hosts_with_a_shaped_link(tmp_path, capsys):
+    from collectives import bench
+    from collectives.testing.hosts import link_unavailable
+
+    tbf = "rate 1gbit burst 256kb latency 50ms"
+    reason = link_unavailable(f"tbf {tbf}")
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "bench.json"
+    argv = ["--hosts", "2", "--world-sizes", "4", "--tbf", tbf, "--model",
+            "--ops", "all_reduce,broadcast,all_gather,reduce_scatter", "--min-bytes", "64K", "--max-bytes", "64K",
+            "--small-bytes", "16K", "--iters", "2", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert {r["op"]: r["algorithm"] for r in rows} == dict.fromkeys(
+        ("all_reduce", "broadcast", "all_gather", "reduce_scatter"), "hierarchical")
+    assert all(r["wrong"] == 0 and r["model_us"] > 0 for r in rows)
+    assert rows[0]["net_beta"] > 2e-9  # the 1 Gbit/s bucket is slower than the veth
+
+
+def test_bench_refuses_a_missing_qdisc(capsys):
+    from collectives import bench
+    from collectives.testing.hosts import link_unavailable
+
+    if link_unavailable("netem delay 1ms") is None:
+        pytest.skip("this kernel has netem")
+    with pytest.raises(SystemExit):
+        bench.main(["--hosts", "2", "--netem", "delay 1ms rate 1gbit"])
+    assert "CONFIG_NET_SCH_NETEM" in capsys.readouterr().err
