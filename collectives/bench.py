@@ -4,14 +4,15 @@
     python -m collectives.bench --backend nccl-cupy --world-sizes 1      # GPU: ours over NCCL vs torch NCCL
 
 For every (world size, op, dtype, size) it times our collective, torch's built-in collective
-(``torch`` backend: gloo on CPU, NCCL with ``--backend nccl-cupy``) and — for all_reduce and
-reduce_scatter — a *wire* row: the same ring exchanges with no reduction (two ring all-gathers
-for all_reduce, one for reduce_scatter), the practical limit of the transport. Calls are
-interleaved (ours, torch, wire, ours, ...) on the same, reused buffers; in-place inputs are
-restored *before* the barrier that starts each timed call, so only the collective is timed (on
+(``torch.distributed`` called directly on a torch group: gloo on CPU, NCCL with ``--backend
+nccl-cupy``) and — for all_reduce and reduce_scatter — a *wire* row: the same ring exchanges with
+no reduction (two ring all-gathers for all_reduce, one for reduce_scatter), the practical limit of
+the transport. Calls are interleaved (ours, torch, wire, ours, ...) on reused buffers; the input
+is restored *before* the barrier that starts each timed call, so only the collective is timed (on
 GPU the device is synchronised before the barrier and before the clock stops); the reported time
 is the median over iterations of the slowest rank. Results are checked against torch's (#wrong =
-elements that differ; inputs are small integers so the sums are exact).
+elements that differ; ours and torch's write separate output buffers, pre-filled with 0xFF bytes,
+from the same restored input; inputs are small integers so the sums are exact).
 
 Columns: ``time`` in microseconds; ``algbw`` = size / time; ``busbw`` = algbw × the nccl-tests
 factor (all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all, scatter, gather (n-1)/n;
@@ -37,10 +38,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
-from . import api, costmodel, ring
+import collectives
+
+from . import costmodel, ring
 from .backends import backend_argument, describe_backends, device_type_of
 from .engine import AlgorithmEngine, Engine
-from .group import Group, get_default_group, new_group
+from .group import get_default_group
 from .launch import launch
 from .topology import Layout
 
@@ -60,7 +63,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper().rstrip("B")
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
@@ -74,7 +77,13 @@ def _human(nbytes: int) -> str:
 
 
 class _Case:
-    """Buffers for one (op, dtype, size), allocated once and reused by every backend and iteration."""
+    """Buffers for one (op, dtype, size), allocated once and reused by every iteration.
+
+    Ours and torch's write into separate output buffers, and every call starts from the same
+    input: ``prepare`` restores it from ``source``, which no collective ever sees. ``poison``
+    fills the outputs with 0xFF bytes before the correctness check, so an implementation that
+    writes nothing into an output is counted wrong.
+    """
 
     def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int, device: torch.device,
                  algorithm: str = "auto"):
@@ -82,61 +91,77 @@ class _Case:
         esize = torch.empty((), dtype=dtype).element_size()
         count = max(n, nbytes // esize // n * n)  # divisible by n: every op can use it
         self.count = count
-        g = torch.Generator().manual_seed(rank)
-        self.pristine = torch.randint(0, 5, (count,), generator=g).to(device=device, dtype=dtype)
-        self.work = self.pristine.clone()
-        self.out = torch.empty(count, dtype=dtype, device=device)
         self.piece = count // n
-        self.small = torch.empty(self.piece, dtype=dtype, device=device)
+        g = torch.Generator().manual_seed(rank)
+        self.source = torch.randint(0, 5, (count,), generator=g).to(device=device, dtype=dtype)
+        self.inp = self.source.clone()
+        self.outs = {v: (torch.empty(count, dtype=dtype, device=device), torch.empty(self.piece, dtype=dtype, device=device))
+                     for v in ("ours", "torch")}
 
     def prepare(self) -> None:
-        """Restore the in-place ops' input; runs before the timed region, never inside it."""
-        if self.op in ("all_reduce", "broadcast"):
-            self.work.copy_(self.pristine)
+        """Restore the input (in-place ops overwrite it); runs before the timed region, never inside it."""
+        self.inp.copy_(self.source)
 
-    def run(self, backend: str, group: Any) -> None:
-        op, w, out, n = self.op, self.work, self.out, self.n
-        algorithm = self.algorithm if group is None else "auto"  # the reference has no algorithms
+    def poison(self) -> None:
+        for out in self.outs["ours"] + self.outs["torch"]:
+            out.view(torch.uint8).fill_(0xFF)
+
+    def run(self, variant: str, group: Any) -> None:
+        """One call of ``variant``: ``"ours"`` (this package, default group, ``self.algorithm``)
+        or ``"torch"`` (``torch.distributed`` itself on the torch process group ``group``)."""
+        lib = collectives if variant == "ours" else tdist
+        op, inp, n = self.op, self.inp, self.n
+        out, small = self.outs[variant]
+        chosen = {"algorithm": self.algorithm} if variant == "ours" else {}  # torch's have no algorithms
         if op == "all_reduce":
-            api.all_reduce(w, group=group, algorithm=algorithm)
+            lib.all_reduce(inp, group=group, **chosen)
         elif op == "broadcast":
-            api.broadcast(w, src=0, group=group, algorithm=algorithm)
+            lib.broadcast(inp, src=0, group=group, **chosen)
         elif op == "reduce_scatter":
-            api.reduce_scatter_tensor(self.small, self.pristine, group=group)
+            lib.reduce_scatter_tensor(small, inp, group=group)
         elif op == "all_gather":
-            api.all_gather_into_tensor(out, self.pristine[: self.piece], group=group)
+            lib.all_gather_into_tensor(out, inp[: self.piece], group=group)
         elif op == "scatter":
-            pieces = list(self.pristine.chunk(n)) if self.rank == 0 else None
-            api.scatter(self.small, pieces, src=0, group=group)
+            lib.scatter(small, list(inp.chunk(n)) if self.rank == 0 else None, src=0, group=group)
         elif op == "gather":
-            outs = list(out.chunk(n)) if self.rank == 0 else None
-            api.gather(self.pristine[: self.piece], outs, dst=0, group=group)
+            lib.gather(inp[: self.piece], list(out.chunk(n)) if self.rank == 0 else None, dst=0, group=group)
         elif op == "all_to_all":
-            api.all_to_all_single(out, self.pristine, group=group)
+            lib.all_to_all_single(out, inp, group=group)
 
-    def result(self) -> torch.Tensor:
+    def result(self, variant: str) -> torch.Tensor:
+        out, small = self.outs[variant]
         if self.op in ("all_reduce", "broadcast"):
-            return self.work.clone()
+            return self.inp.clone()
         if self.op in ("reduce_scatter", "scatter"):
-            return self.small.clone()
+            return small.clone()
         if self.op == "gather" and self.rank != 0:
             return torch.empty(0)
-        return self.out.clone()
+        return out.clone()
+
+    def wrong(self, reference: Any) -> int:
+        """Elements where our result differs from torch's, each computed from the same input."""
+        results = {}
+        for variant, group in (("torch", reference), ("ours", None)):
+            self.prepare()
+            self.poison()
+            self.run(variant, group)
+            results[variant] = self.result(variant)
+        return int((results["ours"] != results["torch"]).sum())
 
     def wire(self, engine: Engine) -> bool:
         """The ring exchanges of this op without reduction; False if the op (or the engine) has no wire row."""
         if self.op not in ("all_reduce", "reduce_scatter") or not isinstance(engine, AlgorithmEngine):
             return False
         bounds = ring.balanced_bounds(self.count, self.n)
-        seg = max(1, engine.tuning.segment_bytes // self.work.element_size())
+        seg = max(1, engine.tuning.segment_bytes // self.inp.element_size())
         with engine.transport_op("wire"):
             for _ in range(2 if self.op == "all_reduce" else 1):
-                ring.all_gather(engine.transport, self.work, bounds, seg, engine.tuning.depth)
+                ring.all_gather(engine.transport, self.inp, bounds, seg, engine.tuning.depth)
         return True
 
     def size_bytes(self) -> int:
         """nccl-tests' "size": the op's whole buffer (all_gather: output; reduce_scatter: input)."""
-        return self.count * self.pristine.element_size()
+        return self.count * self.inp.element_size()
 
 
 def _cpu_seconds() -> float:
@@ -156,21 +181,18 @@ def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[],
     return time.perf_counter() - start, _cpu_seconds() - cpu
 
 
-def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Group, Callable[[], Any]]:
-    """The device, the reference group (torch's collectives) and a device sync for ``backend``.
+def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Any, Callable[[], Any]]:
+    """The device, torch's process group for the reference (its own collectives, called directly)
+    and a device sync for ``backend``.
 
-    A CPU backend (``p2p``, ...): CPU tensors, torch's collectives on the same gloo group. A CUDA
-    one (``nccl-cupy``): rank ``r`` on ``cuda:r % device_count``, torch's collectives on a new
-    torch NCCL group.
+    A CPU backend (``p2p``, ...): CPU tensors, a torch gloo group. A CUDA one (``nccl-cupy``):
+    rank ``r`` on ``cuda:r % device_count``, a torch NCCL group.
     """
     if device_type_of(backend) == "cpu":
-        return torch.device("cpu"), new_group(backend="torch"), lambda: None
+        return torch.device("cpu"), tdist.new_group(backend="gloo"), lambda: None
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
-    world = get_default_group()
-    nccl = tdist.new_group(backend="nccl")
-    reference = Group(nccl, world.ranks, "torch", world.timeout, "torch-nccl", store=world.store, hosts=world.hosts)
-    return device, reference, torch.cuda.synchronize
+    return device, tdist.new_group(backend="nccl"), torch.cuda.synchronize
 
 
 def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
@@ -207,12 +229,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                 warm, timed = _iterations(nbytes, iters)
                 times: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
                 cpu: dict[str, list[float]] = {"ours": [], "torch": [], "wire": []}
-                case.prepare()
-                case.run("torch", reference)
-                expected = case.result()
-                case.prepare()
-                case.run("ours", None)
-                wrong = int((case.result() != expected).sum())
+                wrong = case.wrong(reference)
                 has_wire = case.wire(engine)
                 for i in range(warm + timed):
                     measured = {
@@ -249,8 +266,6 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         row["net_alpha"], row["net_beta"] = links["net"].alpha, links["net"].beta
                     rows.append(row)
                     log.info("%s", format_row(row))
-    if device.type != "cpu":
-        reference.close()  # built here, not registered with destroy_process_group
     return rows
 
 
@@ -316,11 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-bytes", default="4K")
     p.add_argument("--max-bytes", default="64M")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size, 10-40)")
-    p.add_argument("--segment-bytes", type=_parse_size, default=None,
+    p.add_argument("--segment-bytes", type=parse_size, default=None,
                    help="ring/chain pipelining segment (default: the group's tuning)")
-    p.add_argument("--small-bytes", type=_parse_size, default=None,
+    p.add_argument("--small-bytes", type=parse_size, default=None,
                    help="largest message for the latency-optimal algorithms (default: the group's tuning)")
-    p.add_argument("--chain-bytes", type=_parse_size, default=None,
+    p.add_argument("--chain-bytes", type=parse_size, default=None,
                    help="largest broadcast for the binomial tree; larger ones use the chain (default: the group's tuning)")
     p.add_argument("--depth", type=int, default=None,
                    help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
@@ -346,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     if device_type_of(args.backend) == "cuda" and not torch.cuda.is_available():
         p.error(f"--backend {args.backend} needs CUDA: a CUDA build of torch, a visible GPU (and for nccl-cupy "
                 "CuPy: pip install 'ringddp[cuda]'); this torch sees no GPU")
-    sizes, s = [], _parse_size(args.min_bytes)
-    while s <= _parse_size(args.max_bytes):
+    sizes, s = [], parse_size(args.min_bytes)
+    while s <= parse_size(args.max_bytes):
         sizes.append(s)
         s *= 2
     tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),
