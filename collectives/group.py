@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from . import debug, trace, wire
+from . import debug, mailbox, trace, wire
 from .backends import AUTO, Backend, get_backend, resolve_backend, select_backend
 from .engine import Engine, Tuning
 from .errors import CollectiveError, CollectiveTimeoutError, timeout_seconds
@@ -194,6 +194,7 @@ class Group:
             tracer = trace.active()
             start = time.perf_counter_ns() if tracer is not None else 0
             try:
+                mailbox.settle(self)  # receives posted by irecv take their messages before ours
                 if debug.enabled():
                     debug.check_agreement(self, signature)
                 with torch.no_grad(), wire.expect(header):
@@ -363,3 +364,9 @@ def new_group(
     _subgroups.append(g)
     return g
 
+
+def __getattr__(name: str) -> Group | None:
+    """``collectives.group.WORLD``: the default group when read (``None`` before init), like torch's."""
+    if name == "WORLD":
+        return _world
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -56,7 +56,8 @@ from .ops import SUPPORTED_DTYPES, ReduceOp
 
 #: int64 fields of a header message.
 FIELDS = 10
-#: gloo slot (tag) of header messages; payload tags are 1 .. HEADER_TAG - 1, unchecked traffic 0.
+#: gloo slot (tag) of header messages; collective payload tags are 2 .. HEADER_TAG - 1, unchecked
+#: traffic 0, user point-to-point 1 (``collectives/mailbox.py``).
 HEADER_TAG = (1 << 31) - 1
 _NAMES = ("sequence", "collective", "dtype", "numel", "op", "root", "algorithm", "tuning", "send bytes", "receive bytes")
 
@@ -120,7 +121,7 @@ class Header:
 
 def tag(base: int, nbytes: int) -> int:
     """Tag of a payload message of ``nbytes`` in the collective whose :meth:`Header.tag_base` is ``base``."""
-    return (base + nbytes * 2654435761) % (HEADER_TAG - 1) + 1
+    return (base + nbytes * 2654435761) % (HEADER_TAG - 2) + 2
 
 
 def compare(mine: torch.Tensor, theirs: torch.Tensor) -> list[str]:

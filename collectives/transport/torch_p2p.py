@@ -60,11 +60,15 @@ class TorchP2PTransport(Transport):
             ``i`` of that group.
         rank: this process's rank within the group.
         timeout: seconds every wait may block before raising.
+        tag: gloo tag of every message. Messages of different tags never match each other, so a
+            transport with its own tag is a channel of its own on the same process group (user
+            point-to-point uses one, see ``collectives/mailbox.py``).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup, rank: int, timeout: float):
+    def __init__(self, process_group: dist.ProcessGroup, rank: int, timeout: float, tag: int = 0):
         super().__init__(rank, process_group.size(), timeout)
         self._pg = process_group
+        self._channel = tag
         self.wait_timeout = datetime.timedelta(seconds=timeout)
         self._seq = 0  # collectives so far: part of every tag, so stale messages never pair
         self._tag_base: int | None = None  # of the collective under way; None (point-to-point): tag 0
@@ -121,7 +125,7 @@ class TorchP2PTransport(Transport):
             raise self.error(exc, kind, peer) from exc
 
     def _tag(self, tensor: torch.Tensor) -> int:
-        return 0 if self._tag_base is None else wire.tag(self._tag_base, tensor.numel() * tensor.element_size())
+        return self._channel if self._tag_base is None else wire.tag(self._tag_base, tensor.numel() * tensor.element_size())
 
     @classmethod
     def for_group(cls, group: "Group", device: torch.device) -> "TorchP2PTransport":
