@@ -247,14 +247,20 @@ def send(
     _send(tensor, dst, group, tag, group_dst, "send", async_op=False).wait()
 
 
-def _send(tensor, dst, group, tag, group_dst, name: str, async_op: bool) -> P2PWork:
+def _prepare(tensor, group, tag, what: str, rank, group_rank, name: str):
+    """Check a point-to-point call before any traffic: its group, peer (group rank and global rank),
+    tag and the transport that will carry it; returns them with a fresh handle."""
     g = get_group(group)
     api._check_tensor(tensor, name)
-    peer, _ = _check_peer(g, name, "dst", dst, group_dst)
+    peer, global_rank = _check_peer(g, name, what, rank, group_rank)
     tag = _check_tag(tag, name)
     transport = _wire(g, tensor, name)
     _usable(g, name)
-    work = P2PWork(name, g)
+    return g, peer, global_rank, tag, transport, P2PWork(name, g)
+
+
+def _send(tensor, dst, group, tag, group_dst, name: str, async_op: bool) -> P2PWork:
+    g, peer, _, tag, transport, work = _prepare(tensor, group, tag, "dst", dst, group_dst, name)
 
     def post() -> None:
         _finish_send(work, transport, _post_send(transport, tensor, peer, tag, name), name)
@@ -283,13 +289,7 @@ def recv(
 
 
 def _recv(tensor, src, group, tag, group_src, name: str, async_op: bool) -> tuple[P2PWork, int]:
-    g = get_group(group)
-    api._check_tensor(tensor, name)
-    peer, source = _check_peer(g, name, "src", src, group_src)
-    tag = _check_tag(tag, name)
-    transport = _wire(g, tensor, name)
-    _usable(g, name)
-    work = P2PWork(name, g)
+    g, peer, source, tag, transport, work = _prepare(tensor, group, tag, "src", src, group_src, name)
     rec = Incoming(transport, tensor, peer, source, tag, name)
 
     def post() -> None:
