@@ -24,22 +24,17 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import debug
+from . import debug, validate
 from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from .group import Group, get_group
-from .ops import ReduceOp, check_dtype, check_op_dtype
+from .ops import ReduceOp, check_op_dtype
 from .work import Work
 
 # ---------------------------------------------------------------------------- argument checks
 
 
 def _check_tensor(t: object, op_name: str, what: str = "tensor") -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op_name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    check_dtype(t.dtype, op_name)
-    if t.is_sparse:
-        raise TypeError(f"{op_name}: {what} is sparse; only dense tensors are supported")
-    return t
+    return validate.tensor(t, op_name, what)
 
 
 def _check_list(ts: object, op_name: str, what: str, length: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -122,13 +117,14 @@ def all_reduce(
     check_op_dtype(op, tensor.dtype, name)
     _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
     _check_async(async_op, name)
+    validate.aliasing(name, [("tensor", tensor)])
     engine = g.engine(tensor.device, name)
 
     def run() -> None:
         with _flat(tensor) as buf, engine.transport_op(name):
             engine.all_reduce(buf, op, algorithm)
 
-    return g.submit(name, run, async_op, debug.signature(name, tensor, op), [tensor])
+    return g.submit(name, run, async_op, debug.signature(name, tensor, op), [tensor], algorithm=algorithm)
 
 
 def broadcast(
@@ -146,13 +142,14 @@ def broadcast(
     root = g.group_rank(src, "src", name)
     _check_algorithm(algorithm, BROADCAST_ALGORITHMS, name)
     _check_async(async_op, name)
+    validate.aliasing(name, [("tensor", tensor)])  # written on every rank but the root: same check on all
     engine = g.engine(tensor.device, name)
 
     def run() -> None:
         with _flat(tensor, write_back=g.rank() != root) as buf, engine.transport_op(name):
             engine.broadcast(buf, root, algorithm)
 
-    return g.submit(name, run, async_op, debug.signature(name, tensor, root=root), [tensor])
+    return g.submit(name, run, async_op, debug.signature(name, tensor, root=root), [tensor], algorithm=algorithm)
 
 
 def reduce(
@@ -175,13 +172,14 @@ def reduce(
     root = g.group_rank(dst, "dst", name)
     _check_algorithm(algorithm, REDUCE_ALGORITHMS, name)
     _check_async(async_op, name)
+    validate.aliasing(name, [("tensor", tensor)])
     engine = g.engine(tensor.device, name)
 
     def run() -> None:
         with _flat(tensor, write_back=g.rank() == root) as buf, engine.transport_op(name):
             engine.reduce(buf, root, op, algorithm)
 
-    return g.submit(name, run, async_op, debug.signature(name, tensor, op, root=root), [tensor])
+    return g.submit(name, run, async_op, debug.signature(name, tensor, op, root=root), [tensor], algorithm=algorithm)
 
 
 def all_gather(
@@ -193,10 +191,13 @@ def all_gather(
     _check_tensor(tensor, name)
     outs = _check_list(tensor_list, name, "tensor_list", g.size(), tensor)
     _check_async(async_op, name)
+    in_place = validate.is_chunk(outs[g.rank()], tensor, 0)
+    stage = validate.aliasing(name, [(f"tensor_list[{i}]", t) for i, t in enumerate(outs)], [] if in_place else [("tensor", tensor)])
     engine = g.engine(tensor.device, name)
 
     def run() -> None:
-        with _flats(outs, write_back=True) as flat_outs, _flat(tensor, write_back=False) as inp:
+        (src,) = validate.staged([tensor], stage) if stage else (tensor,)
+        with _flats(outs, write_back=True) as flat_outs, _flat(src, write_back=False) as inp:
             with engine.transport_op(name):
                 engine.all_gather(flat_outs, inp)
 
@@ -218,10 +219,13 @@ def all_gather_into_tensor(
             f"{g.size()} x input {input_tensor.numel()} = {g.size() * input_tensor.numel()}"
         )
     _check_async(async_op, name)
+    in_place = validate.is_chunk(output_tensor, input_tensor, g.rank())
+    stage = validate.aliasing(name, [("output_tensor", output_tensor)], [] if in_place else [("input_tensor", input_tensor)])
     engine = g.engine(input_tensor.device, name)
 
     def run() -> None:
-        with _flat(output_tensor) as out, _flat(input_tensor, write_back=False) as inp, engine.transport_op(name):
+        (src,) = validate.staged([input_tensor], stage) if stage else (input_tensor,)
+        with _flat(output_tensor) as out, _flat(src, write_back=False) as inp, engine.transport_op(name):
             engine.all_gather(_pieces(out, g.size()), inp)
 
     return g.submit(name, run, async_op, debug.signature(name, input_tensor), [output_tensor])
@@ -241,10 +245,12 @@ def reduce_scatter(
     check_op_dtype(op, output.dtype, name)
     ins = _check_list(input_list, name, "input_list", g.size(), output)
     _check_async(async_op, name)
+    stage = validate.aliasing(name, [("output", output)], [(f"input_list[{i}]", t) for i, t in enumerate(ins)])
     engine = g.engine(output.device, name)
 
     def run() -> None:
-        with _flat(output) as out, _flats(ins, write_back=False) as flat_ins, engine.transport_op(name):
+        srcs = validate.staged(ins, stage)
+        with _flat(output) as out, _flats(srcs, write_back=False) as flat_ins, engine.transport_op(name):
             engine.reduce_scatter(out, flat_ins, op)
 
     return g.submit(name, run, async_op, debug.signature(name, output, op), [output])
@@ -270,10 +276,13 @@ def reduce_scatter_tensor(
             f"{output.numel()} = {g.size() * output.numel()}"
         )
     _check_async(async_op, name)
+    in_place = validate.is_chunk(input, output, g.rank())
+    stage = validate.aliasing(name, [("output", output)], [] if in_place else [("input", input)])
     engine = g.engine(output.device, name)
 
     def run() -> None:
-        with _flat(output) as out, _flat(input, write_back=False) as inp, engine.transport_op(name):
+        (src,) = validate.staged([input], stage) if stage else (input,)
+        with _flat(output) as out, _flat(src, write_back=False) as inp, engine.transport_op(name):
             engine.reduce_scatter(out, _pieces(inp, g.size()), op)
 
     return g.submit(name, run, async_op, debug.signature(name, output, op), [output])
@@ -300,12 +309,14 @@ def scatter(
             raise ValueError(f"{name}: only the source rank {src} passes scatter_list")
         pieces = None
     _check_async(async_op, name)
+    stage = validate.aliasing(name, [("tensor", tensor)], [(f"scatter_list[{i}]", t) for i, t in enumerate(pieces or ())])
     engine = g.engine(tensor.device, name)
 
     def run() -> None:
         with contextlib.ExitStack() as stack:
             out = stack.enter_context(_flat(tensor))
-            flat_pieces = stack.enter_context(_flats(pieces, write_back=False)) if pieces is not None else None
+            srcs = validate.staged(pieces, stage) if pieces is not None else None
+            flat_pieces = stack.enter_context(_flats(srcs, write_back=False)) if srcs is not None else None
             stack.enter_context(engine.transport_op(name))
             engine.scatter(out, flat_pieces, root)
 
@@ -333,11 +344,13 @@ def gather(
             raise ValueError(f"{name}: only the destination rank {dst} passes gather_list")
         outs = None
     _check_async(async_op, name)
+    stage = validate.aliasing(name, [(f"gather_list[{i}]", t) for i, t in enumerate(outs or ())], [("tensor", tensor)])
     engine = g.engine(tensor.device, name)
 
     def run() -> None:
         with contextlib.ExitStack() as stack:
-            inp = stack.enter_context(_flat(tensor, write_back=False))
+            (src,) = validate.staged([tensor], stage)
+            inp = stack.enter_context(_flat(src, write_back=False))
             flat_outs = stack.enter_context(_flats(outs, write_back=True)) if outs is not None else None
             stack.enter_context(engine.transport_op(name))
             engine.gather(inp, flat_outs, root)
@@ -372,13 +385,17 @@ def all_to_all(
     _check_async(async_op, name)
     engine = g.engine(like.device, name)
     outs, ins = list(output_tensor_list), list(input_tensor_list)
+    stage = validate.aliasing(
+        name, [(f"output_tensor_list[{i}]", t) for i, t in enumerate(outs)], [(f"input_tensor_list[{i}]", t) for i, t in enumerate(ins)]
+    )
 
     def run() -> None:
-        with _flats(outs, write_back=True) as flat_outs, _flats(ins, write_back=False) as flat_ins:
+        with _flats(outs, write_back=True) as flat_outs, _flats(validate.staged(ins, stage), write_back=False) as flat_ins:
             with engine.transport_op(name):
                 engine.all_to_all(flat_outs, flat_ins)
 
-    return g.submit(name, run, async_op, debug.signature(name, like), outs)
+    sizes = ([t.numel() * t.element_size() for t in ins], [t.numel() * t.element_size() for t in outs])
+    return g.submit(name, run, async_op, debug.signature(name, like, uneven=True), outs, sizes=sizes)
 
 
 def all_to_all_single(
@@ -401,18 +418,28 @@ def all_to_all_single(
         raise ValueError(f"{name}: input and output differ beyond dim 0: {tuple(input.shape)} vs {tuple(output.shape)}")
     in_splits = _splits(input, input_split_sizes, g.size(), name, "input")
     out_splits = _splits(output, output_split_sizes, g.size(), name, "output")
+    me = g.rank()
+    if out_splits[me] != in_splits[me]:
+        raise ValueError(
+            f"{name}: this rank ({me}) keeps {in_splits[me]} rows of its input but expects {out_splits[me]} "
+            f"rows from itself; output_split_sizes[{me}] must equal input_split_sizes[{me}]"
+        )
     _check_async(async_op, name)
     row = input[0].numel() if input.shape[0] else int(torch.Size(input.shape[1:]).numel())
+    stage = validate.aliasing(name, [("output", output)], [("input", input)])
     engine = g.engine(input.device, name)
 
     def run() -> None:
-        with _flat(output) as out, _flat(input, write_back=False) as inp:
+        (src,) = validate.staged([input], stage)  # all_to_all_single(t, t) is exact: t is copied first
+        with _flat(output) as out, _flat(src, write_back=False) as inp:
             outs = list(out.split([s * row for s in out_splits]))
             ins = list(inp.split([s * row for s in in_splits]))
             with engine.transport_op(name):
                 engine.all_to_all(outs, ins)
 
-    return g.submit(name, run, async_op, debug.signature(name, input), [output])
+    row_bytes = row * input.element_size()
+    sizes = ([s * row_bytes for s in in_splits], [s * row_bytes for s in out_splits])
+    return g.submit(name, run, async_op, debug.signature(name, input, uneven=True), [output], sizes=sizes)
 
 
 def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, op_name: str, what: str) -> list[int]:

@@ -4,14 +4,15 @@
     python -m collectives.bench --backend nccl-cupy --world-sizes 1      # GPU: ours over NCCL vs torch NCCL
 
 For every (world size, op, dtype, size) it times our collective, torch's built-in collective
-(``torch`` backend: gloo on CPU, NCCL with ``--backend nccl-cupy``) and — for all_reduce and
-reduce_scatter — a *wire* row: the same ring exchanges with no reduction (two ring all-gathers
-for all_reduce, one for reduce_scatter), the practical limit of the transport. Calls are
-interleaved (ours, torch, wire, ours, ...) on the same, reused buffers; in-place inputs are
-restored *before* the barrier that starts each timed call, so only the collective is timed (on
+(``torch.distributed`` called directly on a torch group: gloo on CPU, NCCL with ``--backend
+nccl-cupy``) and — for all_reduce and reduce_scatter — a *wire* row: the same ring exchanges with
+no reduction (two ring all-gathers for all_reduce, one for reduce_scatter), the practical limit of
+the transport. Calls are interleaved (ours, torch, wire, ours, ...) on reused buffers; the input
+is restored *before* the barrier that starts each timed call, so only the collective is timed (on
 GPU the device is synchronised before the barrier and before the clock stops); the reported time
 is the median over iterations of the slowest rank. Results are checked against torch's (#wrong =
-elements that differ; inputs are small integers so the sums are exact).
+elements that differ; ours and torch's write separate output buffers, pre-filled with 0xFF bytes,
+from the same restored input; inputs are small integers so the sums are exact).
 
 Columns: ``time`` in microseconds; ``algbw`` = size / time; ``busbw`` = algbw × the nccl-tests
 factor (all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all, scatter, gather (n-1)/n;
@@ -20,13 +21,19 @@ link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are 
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
+``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (payload tags but
+no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
+``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
+(``RINGDDP_DEBUG``, default CHECK).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -37,10 +44,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
-from . import api, costmodel, ring
+import collectives
+
+from . import costmodel, ring
 from .backends import backend_argument, describe_backends, device_type_of
 from .engine import AlgorithmEngine, Engine
-from .group import Group, get_default_group, new_group
+from .group import get_default_group, new_group
 from .launch import launch
 from .topology import Layout
 
@@ -60,7 +69,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper().rstrip("B")
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
@@ -74,7 +83,13 @@ def _human(nbytes: int) -> str:
 
 
 class _Case:
-    """Buffers for one (op, dtype, size), allocated once and reused by every backend and iteration."""
+    """Buffers for one (op, dtype, size), allocated once and reused by every iteration.
+
+    Ours and torch's write into separate output buffers, and every call starts from the same
+    input: ``prepare`` restores it from ``source``, which no collective ever sees. ``poison``
+    fills the outputs with 0xFF bytes before the correctness check, so an implementation that
+    writes nothing into an output is counted wrong.
+    """
 
     def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int, device: torch.device,
                  algorithm: str = "auto"):
@@ -82,66 +97,85 @@ class _Case:
         esize = torch.empty((), dtype=dtype).element_size()
         count = max(n, nbytes // esize // n * n)  # divisible by n: every op can use it
         self.count = count
-        g = torch.Generator().manual_seed(rank)
-        self.pristine = torch.randint(0, 5, (count,), generator=g).to(device=device, dtype=dtype)
-        self.work = self.pristine.clone()
-        self.out = torch.empty(count, dtype=dtype, device=device)
         self.piece = count // n
-        self.small = torch.empty(self.piece, dtype=dtype, device=device)
-        self.copy = torch.empty_like(self.pristine)
+        g = torch.Generator().manual_seed(rank)
+        self.source = torch.randint(0, 5, (count,), generator=g).to(device=device, dtype=dtype)
+        self.inp = self.source.clone()
+        self.outs = {v: (torch.empty(count, dtype=dtype, device=device), torch.empty(self.piece, dtype=dtype, device=device))
+                     for v in ("ours", "torch", "shm")}
+        self.copy = torch.empty_like(self.source)
+
+    def prepare(self) -> None:
+        """Restore the input (in-place ops overwrite it); runs before the timed region, never inside it."""
+        self.inp.copy_(self.source)
+
+    def poison(self) -> None:
+        for outs in self.outs.values():
+            for out in outs:
+                out.view(torch.uint8).fill_(0xFF)
 
     def memcpy(self) -> None:
         """One copy of the op's buffer on every rank at once: the machine's memory-speed yardstick."""
-        self.copy.copy_(self.pristine)
+        self.copy.copy_(self.source)
 
-    def prepare(self) -> None:
-        """Restore the in-place ops' input; runs before the timed region, never inside it."""
-        if self.op in ("all_reduce", "broadcast"):
-            self.work.copy_(self.pristine)
-
-    def run(self, backend: str, group: Any) -> None:
-        op, w, out, n = self.op, self.work, self.out, self.n
-        algorithm = self.algorithm if group is None else "auto"  # the reference has no algorithms
+    def run(self, variant: str, group: Any) -> None:
+        """One call of ``variant``: ``"ours"`` (this package, default group, ``self.algorithm``),
+        ``"shm"`` (this package on the shared-memory group ``group``) or ``"torch"``
+        (``torch.distributed`` itself on the torch process group ``group``)."""
+        lib = tdist if variant == "torch" else collectives
+        op, inp, n = self.op, self.inp, self.n
+        out, small = self.outs[variant]
+        chosen = {"algorithm": self.algorithm} if variant == "ours" else {}  # torch's have no algorithms
         if op == "all_reduce":
-            api.all_reduce(w, group=group, algorithm=algorithm)
+            lib.all_reduce(inp, group=group, **chosen)
         elif op == "broadcast":
-            api.broadcast(w, src=0, group=group, algorithm=algorithm)
+            lib.broadcast(inp, src=0, group=group, **chosen)
         elif op == "reduce_scatter":
-            api.reduce_scatter_tensor(self.small, self.pristine, group=group)
+            lib.reduce_scatter_tensor(small, inp, group=group)
         elif op == "all_gather":
-            api.all_gather_into_tensor(out, self.pristine[: self.piece], group=group)
+            lib.all_gather_into_tensor(out, inp[: self.piece], group=group)
         elif op == "scatter":
-            pieces = list(self.pristine.chunk(n)) if self.rank == 0 else None
-            api.scatter(self.small, pieces, src=0, group=group)
+            lib.scatter(small, list(inp.chunk(n)) if self.rank == 0 else None, src=0, group=group)
         elif op == "gather":
-            outs = list(out.chunk(n)) if self.rank == 0 else None
-            api.gather(self.pristine[: self.piece], outs, dst=0, group=group)
+            lib.gather(inp[: self.piece], list(out.chunk(n)) if self.rank == 0 else None, dst=0, group=group)
         elif op == "all_to_all":
-            api.all_to_all_single(out, self.pristine, group=group)
+            lib.all_to_all_single(out, inp, group=group)
 
-    def result(self) -> torch.Tensor:
+    def result(self, variant: str) -> torch.Tensor:
+        out, small = self.outs[variant]
         if self.op in ("all_reduce", "broadcast"):
-            return self.work.clone()
+            return self.inp.clone()
         if self.op in ("reduce_scatter", "scatter"):
-            return self.small.clone()
+            return small.clone()
         if self.op == "gather" and self.rank != 0:
             return torch.empty(0)
-        return self.out.clone()
+        return out.clone()
+
+    def wrong(self, reference: Any, shm_group: Any = None) -> int:
+        """Elements where our result (and shm's) differs from torch's, each from the same input."""
+        results = {}
+        variants = (("torch", reference), ("ours", None)) + ((("shm", shm_group),) if shm_group else ())
+        for variant, group in variants:
+            self.prepare()
+            self.poison()
+            self.run(variant, group)
+            results[variant] = self.result(variant)
+        return sum(int((results[v] != results["torch"]).sum()) for v, _ in variants[1:])
 
     def wire(self, engine: Engine) -> bool:
         """The ring exchanges of this op without reduction; False if the op (or the engine) has no wire row."""
         if self.op not in ("all_reduce", "reduce_scatter") or not isinstance(engine, AlgorithmEngine):
             return False
         bounds = ring.balanced_bounds(self.count, self.n)
-        seg = max(1, engine.tuning.segment_bytes // self.work.element_size())
+        seg = max(1, engine.tuning.segment_bytes // self.inp.element_size())
         with engine.transport_op("wire"):
             for _ in range(2 if self.op == "all_reduce" else 1):
-                ring.all_gather(engine.transport, self.work, bounds, seg, engine.tuning.depth)
+                ring.all_gather(engine.transport, self.inp, bounds, seg, engine.tuning.depth)
         return True
 
     def size_bytes(self) -> int:
         """nccl-tests' "size": the op's whole buffer (all_gather: output; reduce_scatter: input)."""
-        return self.count * self.pristine.element_size()
+        return self.count * self.inp.element_size()
 
 
 def _cpu_seconds() -> float:
@@ -161,21 +195,18 @@ def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[],
     return time.perf_counter() - start, _cpu_seconds() - cpu
 
 
-def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Group, Callable[[], Any]]:
-    """The device, the reference group (torch's collectives) and a device sync for ``backend``.
+def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Any, Callable[[], Any]]:
+    """The device, torch's process group for the reference (its own collectives, called directly)
+    and a device sync for ``backend``.
 
-    A CPU backend (``p2p``, ...): CPU tensors, torch's collectives on the same gloo group. A CUDA
-    one (``nccl-cupy``): rank ``r`` on ``cuda:r % device_count``, torch's collectives on a new
-    torch NCCL group.
+    A CPU backend (``p2p``, ...): CPU tensors, a torch gloo group. A CUDA one (``nccl-cupy``):
+    rank ``r`` on ``cuda:r % device_count``, a torch NCCL group.
     """
     if device_type_of(backend) == "cpu":
-        return torch.device("cpu"), new_group(backend="torch"), lambda: None
+        return torch.device("cpu"), tdist.new_group(backend="gloo"), lambda: None
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
-    world = get_default_group()
-    nccl = tdist.new_group(backend="nccl")
-    reference = Group(nccl, world.ranks, "torch", world.timeout, "torch-nccl", store=world.store, hosts=world.hosts)
-    return device, reference, torch.cuda.synchronize
+    return device, tdist.new_group(backend="nccl"), torch.cuda.synchronize
 
 
 def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
@@ -185,14 +216,29 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
     return 2, timed
 
 
+@contextlib.contextmanager
+def _checks_off():
+    """Run ours with ``RINGDDP_DEBUG=OFF`` inside the block (the level is read per call)."""
+    previous = os.environ.get("RINGDDP_DEBUG")
+    os.environ["RINGDDP_DEBUG"] = "OFF"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["RINGDDP_DEBUG"]
+        else:
+            os.environ["RINGDDP_DEBUG"] = previous
+
+
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
                tuning: dict[str, int], backend: str = "p2p", algorithm: str = "auto", model: bool = False,
-               shm: bool = False) -> list[dict]:
+               check_cost: bool = False, shm: bool = False) -> list[dict]:
     """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`.
 
     ``algorithm`` is forced on our all_reduce / broadcast; ``model`` fits α/β by ping-pong first
-    and adds the cost model's prediction to every row (:mod:`collectives.costmodel`).
-    ``shm``: also time the op over the shared-memory transport and one memcpy of its buffer.
+    and adds the cost model's prediction to every row (:mod:`collectives.costmodel`);
+    ``check_cost`` also times ours with ``RINGDDP_DEBUG=OFF``; ``shm`` also times the op over
+    the shared-memory transport and one memcpy of its buffer.
     """
     torch.set_num_threads(1)
     ours = get_default_group()
@@ -207,7 +253,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     if links and rank == 0:
         log.warning("fitted links: net %s; local %s", links["net"], links["local"])
     shm_group = new_group(backend="shm") if shm else None
-    variants = ("ours", "torch", "wire") + (("shm", "memcpy") if shm else ())
+    variants = ("ours", "torch", "wire", "off", "shm", "memcpy")
     rows = []
     for op in ops:
         for dtype_name in dtypes:
@@ -216,16 +262,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                 warm, timed = _iterations(nbytes, iters)
                 times: dict[str, list[float]] = {k: [] for k in variants}
                 cpu: dict[str, list[float]] = {k: [] for k in variants}
-                case.prepare()
-                case.run("torch", reference)
-                expected = case.result()
-                case.prepare()
-                case.run("ours", None)
-                wrong = int((case.result() != expected).sum())
-                if shm_group is not None:
-                    case.prepare()
-                    case.run("shm", shm_group)
-                    wrong += int((case.result() != expected).sum())
+                wrong = case.wrong(reference, shm_group)
                 has_wire = case.wire(engine)
                 for i in range(warm + timed):
                     measured = {
@@ -233,6 +270,9 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         "torch": _timed(case.prepare, lambda: case.run("torch", reference), sync),
                         "wire": _timed(case.prepare, lambda: case.wire(engine), sync) if has_wire else (nan, nan),
                     }
+                    if check_cost:
+                        with _checks_off():
+                            measured["off"] = _timed(case.prepare, lambda: case.run("ours", None), sync)
                     if shm_group is not None:
                         measured["shm"] = _timed(case.prepare, lambda: case.run("shm", shm_group), sync)
                         measured["memcpy"] = _timed(case.prepare, case.memcpy, sync)
@@ -240,16 +280,16 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         for k, (wall, used) in measured.items():
                             times[k].append(wall)
                             cpu[k].append(used)
-                med = torch.tensor([statistics.median(times[k]) for k in variants] + [wrong], dtype=torch.float64)
+                med = torch.tensor([statistics.median(times[k] or [nan]) for k in variants] + [wrong], dtype=torch.float64)
                 tdist.all_reduce(med, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
-                cpu_med = torch.tensor([statistics.median(cpu[k]) for k in variants], dtype=torch.float64)
+                cpu_med = torch.tensor([statistics.median(cpu[k] or [nan]) for k in variants], dtype=torch.float64)
                 tdist.all_reduce(cpu_med)  # CPU per call: the mean over ranks
                 cpu_med /= n
                 if rank == 0:
                     size = case.size_bytes()
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
-                           "wrong": int(med[3]), "backend": backend}
+                           "wrong": int(med[-1]), "backend": backend}
                     for k, t, c in zip(variants, med[:-1].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_cpu_ms"] = c * 1e3
@@ -257,18 +297,16 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
                     row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
-                    if shm_group is not None:
-                        row["shm_vs_torch"] = row["shm_busbw"] / row["torch_busbw"]
-                        row["shm_vs_memcpy"] = row["shm_us"] / row["memcpy_us"]  # time: copies' worth
+                    row["check"] = row["ours_us"] / row["off_us"] - 1 if check_cost else nan
+                    row["shm_vs_torch"] = row["shm_busbw"] / row["torch_busbw"]
+                    row["shm_vs_memcpy"] = row["shm_us"] / row["memcpy_us"]  # time: copies' worth
                     row["algorithm"] = costmodel.algorithm_for(op, algorithm, size, layout, ours.tuning)
                     if links:
                         row["model_us"] = 1e6 * costmodel.predict(
                             op, size, layout, links["net"], links["local"], ours.tuning, algorithm)
                         row["net_alpha"], row["net_beta"] = links["net"].alpha, links["net"].beta
                     rows.append(row)
-                    log.info("%s", format_row(row))
-    if device.type != "cpu":
-        reference.close()  # built here, not registered with destroy_process_group
+                    log.info("%s", format_row(row, check_cost=check_cost, shm=shm))
     return rows
 
 
@@ -277,10 +315,11 @@ HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':
 
 
 CPU_HEADER = f" |{'cpu ms: ours':>14}{'torch':>7}{'wire':>7}"
+CHECK_HEADER = f" |{'off us':>10}{'check':>8}{'cpu ms: off':>13}"
 SHM_HEADER = f" |{'shm us':>10}{'busbw':>7}{'vs torch':>9} |{'memcpy us':>10}{'shm/cpy':>8}"
 
 
-def format_row(r: dict, cpu: bool = False) -> str:
+def format_row(r: dict, cpu: bool = False, check_cost: bool = False, shm: bool = False) -> str:
     def num(x: float, width: int, digits: int, suffix: str = "") -> str:
         text = f"{x:.{digits}f}{suffix}" if x == x else "-"  # NaN: no such row (e.g. no wire row)
         return text.rjust(width)
@@ -290,9 +329,10 @@ def format_row(r: dict, cpu: bool = False) -> str:
             f"{num(r['torch_us'], 10, 1)}{num(r['torch_busbw'], 7, 2)} |"
             f"{num(r['wire_us'], 10, 1)}{num(r['wire_busbw'], 7, 2)} |"
             f"{num(r['vs_torch'], 9, 2, 'x')}{num(r['vs_wire'], 8, 2, 'x')}"
-            + (f" |{num(r['ours_cpu_ms'], 14, 1)}{num(r['torch_cpu_ms'], 7, 1)}{num(r['wire_cpu_ms'], 7, 1)}" if cpu else "")
+            + (f" |{num(r['ours_cpu_ms'], 14, 2)}{num(r['torch_cpu_ms'], 7, 2)}{num(r['wire_cpu_ms'], 7, 2)}" if cpu else "")
+            + (f" |{num(r['off_us'], 10, 1)}{num(r['check'] * 100, 7, 1, '%')}{num(r['off_cpu_ms'], 13, 2)}" if check_cost else "")
             + (f" |{num(r['shm_us'], 10, 1)}{num(r['shm_busbw'], 7, 2)}{num(r['shm_vs_torch'], 9, 2, 'x')} |"
-               f"{num(r['memcpy_us'], 10, 1)}{num(r['shm_vs_memcpy'], 8, 2, 'x')}" if "shm_us" in r else "")
+               f"{num(r['memcpy_us'], 10, 1)}{num(r['shm_vs_memcpy'], 8, 2, 'x')}" if shm else "")
             + (f" | {r['algorithm']:<18}{num(r['model_us'], 10, 1)}{num(r['model_us'] / r['ours_us'], 7, 2, 'x')}"
                if "model_us" in r else ""))
 
@@ -312,7 +352,7 @@ def plot(rows: list[dict], path: str) -> None:
         sel = [r for r in rows if (r["op"], r["world_size"], r["dtype"]) == (op, n, dtype)]
         x = [r["bytes"] for r in sel]
         for backend, style in (("ours", "o-"), ("torch", "s--"), ("wire", "^:"), ("shm", "D-")):
-            y = [r.get(f"{backend}_busbw", nan) for r in sel]
+            y = [r[f"{backend}_busbw"] for r in sel]
             if any(v == v for v in y):
                 ax.plot(x, y, style, label=backend)
         ax.set_xscale("log", base=2)
@@ -337,19 +377,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-bytes", default="4K")
     p.add_argument("--max-bytes", default="64M")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size, 10-40)")
-    p.add_argument("--segment-bytes", type=_parse_size, default=None,
+    p.add_argument("--segment-bytes", type=parse_size, default=None,
                    help="ring/chain pipelining segment (default: the group's tuning)")
-    p.add_argument("--small-bytes", type=_parse_size, default=None,
+    p.add_argument("--small-bytes", type=parse_size, default=None,
                    help="largest message for the latency-optimal algorithms (default: the group's tuning)")
-    p.add_argument("--chain-bytes", type=_parse_size, default=None,
+    p.add_argument("--chain-bytes", type=parse_size, default=None,
                    help="largest broadcast for the binomial tree; larger ones use the chain (default: the group's tuning)")
     p.add_argument("--depth", type=int, default=None,
                    help="segments a ring keeps on the wire ahead of the one being reduced (default: the group's tuning)")
     p.add_argument("--cpu", action="store_true",
                    help="also print CPU ms per call (user + system, all threads, mean over ranks)")
-    p.add_argument("--shm", action="store_true",
-                   help="CPU: also time the op over the shared-memory transport (shm columns) and one "
-                        "memcpy of the op's buffer (memcpy us; shm/cpy = shm time / memcpy time)")
     p.add_argument("--algorithm", default="auto",
                    help="force our all_reduce / broadcast algorithm (ring, recursive_doubling, hierarchical, ...)")
     p.add_argument("--model", action="store_true",
@@ -359,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
                         "world size / hosts ranks on each")
     p.add_argument("--netem", help="with --hosts: tc netem on every host's link, e.g. 'delay 1ms rate 1gbit'")
     p.add_argument("--tbf", help="with --hosts: tc tbf on every host's link, e.g. 'rate 1gbit burst 256kb latency 50ms'")
+    p.add_argument("--check-cost", action="store_true",
+                   help="also time ours with RINGDDP_DEBUG=OFF (interleaved) and print the wire check's cost")
+    p.add_argument("--shm", action="store_true",
+                   help="CPU: also time the op over the shared-memory transport (shm columns) and one "
+                        "memcpy of the op's buffer (memcpy us; shm/cpy = shm time / memcpy time)")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -370,15 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     if device_type_of(args.backend) == "cuda" and not torch.cuda.is_available():
         p.error(f"--backend {args.backend} needs CUDA: a CUDA build of torch, a visible GPU (and for nccl-cupy "
                 "CuPy: pip install 'ringddp[cuda]'); this torch sees no GPU")
-    sizes, s = [], _parse_size(args.min_bytes)
-    while s <= _parse_size(args.max_bytes):
+    sizes, s = [], parse_size(args.min_bytes)
+    while s <= parse_size(args.max_bytes):
         sizes.append(s)
         s *= 2
     tuning = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("small_bytes", args.small_bytes),
                                  ("chain_bytes", args.chain_bytes), ("depth", args.depth)) if v is not None}
     rows: list[dict] = []
-    if args.shm and device_type_of(args.backend) != "cpu":
-        p.error("--shm compares CPU backends: use it with a CPU --backend")
     world_sizes = [int(x) for x in args.world_sizes.split(",")]
     link = f"netem {args.netem}" if args.netem else f"tbf {args.tbf}" if args.tbf else None
     if args.hosts:
@@ -387,14 +427,17 @@ def main(argv: list[str] | None = None) -> int:
         reason = unavailable() or (link_unavailable(link) if link else None)
         if reason or any(n % args.hosts for n in world_sizes):
             p.error(reason or f"--hosts {args.hosts}: every world size must be a multiple of it")
-    print(HEADER + (CPU_HEADER if args.cpu else "") + (SHM_HEADER if args.shm else "") + (MODEL_HEADER if args.model else ""))
+    if args.shm and (device_type_of(args.backend) != "cpu" or args.hosts):
+        p.error("--shm compares CPU backends on one host: use it with a CPU --backend and no --hosts")
+    print(HEADER + (CPU_HEADER if args.cpu else "") + (CHECK_HEADER if args.check_cost else "")
+          + (SHM_HEADER if args.shm else "") + (MODEL_HEADER if args.model else ""))
     for n in world_sizes:
         job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
-               args.model, args.shm)
+               args.model, args.check_cost, args.shm)
         result = _run_hosts(args.hosts, link, n, job) if args.hosts else launch(
             job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
-            print(format_row(r, args.cpu))
+            print(format_row(r, args.cpu, args.check_cost, args.shm))
         sys.stdout.flush()
         rows += result
     if args.json:

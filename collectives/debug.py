@@ -1,12 +1,13 @@
-"""Debug mode: check that all ranks issue the same collective before running it.
+"""Debug levels, and the DETAIL check that all ranks issue the same collective before running it.
 
 Point-to-point algorithms trust that every rank calls the same collective with matching
 arguments; when they don't (a rank skips a call, passes another size or dtype), the messages pair
-up wrongly and the result is a hang until the timeout or, worse, a wrong answer. With
-``RINGDDP_DEBUG=DETAIL`` (like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every collective first
-all-gathers a small fixed-size signature — collective, dtype, element count, shape, reduce op,
-root — and every rank raises the same ``ValueError`` describing the mismatch if they differ.
-It costs one extra small all-gather per collective.
+up wrongly. The wire check (:mod:`collectives.wire`: payload tags at every level, a header
+exchange from CHECK up) turns that into a ``CollectiveError``. With ``RINGDDP_DEBUG=DETAIL`` (like
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every collective first also all-gathers a small fixed-size
+signature — collective, dtype, element count, shape, reduce op, root — and every rank raises the
+same ``ValueError`` describing the mismatch if they differ. It costs one extra small all-gather
+per collective.
 """
 
 from __future__ import annotations
@@ -37,17 +38,42 @@ class Signature(NamedTuple):
 _FIELDS = 6  # name .. root are compared across ranks
 
 
+#: ``RINGDDP_DEBUG`` levels, cheapest first (see :mod:`collectives.wire`). OFF: payload messages
+#: are tagged with what they are, so a mismatch never aborts a process or corrupts a result, but it
+#: surfaces only at the group's deadline (``CollectiveTimeoutError``). CHECK (default): plus a
+#: header exchange, so a mismatch is a ``CollectiveError`` describing both calls at once on every
+#: rank. DETAIL: CHECK plus the all-gathered signature below (also compares shapes; a
+#: ``ValueError``, and the group stays usable).
+LEVELS = ("OFF", "CHECK", "DETAIL")
+DEFAULT_LEVEL = "CHECK"
+_SPELLINGS = {"": DEFAULT_LEVEL, "0": "OFF", "FALSE": "OFF", "1": "DETAIL", "ON": "DETAIL", "TRUE": "DETAIL"}
+
+
+def level() -> str:
+    """The checking level from ``$RINGDDP_DEBUG`` (read per call; set it the same on every rank)."""
+    raw = os.environ.get("RINGDDP_DEBUG", "").strip().upper()
+    value = _SPELLINGS.get(raw, raw)
+    if value not in LEVELS:
+        raise ValueError(f"RINGDDP_DEBUG={raw!r}: expected one of {', '.join(LEVELS)}")
+    return value
+
+
 def enabled() -> bool:
-    return os.environ.get("RINGDDP_DEBUG", "").upper() in ("DETAIL", "1", "ON", "TRUE")
+    """True at ``RINGDDP_DEBUG=DETAIL``: all-gather each collective's signature first."""
+    return level() == "DETAIL"
 
 
-def signature(name: str, tensor: torch.Tensor | None, op: ReduceOp | None = None, root: int = -1) -> Signature:
+def signature(
+    name: str, tensor: torch.Tensor | None, op: ReduceOp | None = None, root: int = -1, uneven: bool = False
+) -> Signature:
+    """``uneven``: ranks may legitimately pass different sizes (all-to-all); numel and shape are not compared."""
     if tensor is None:
         return Signature(name, "-", 0, (), "-", root, 0)
     numel = tensor.numel()
     return Signature(
-        name, str(tensor.dtype), numel, tuple(tensor.shape), op.name if op else "-", root, numel * tensor.element_size()
-    )
+        name, str(tensor.dtype), -1 if uneven else numel, () if uneven else tuple(tensor.shape),
+        op.name if op else "-", root, numel * tensor.element_size(),
+    )  # fmt: skip
 
 
 def _encode(sig: Signature) -> torch.Tensor:

@@ -5,14 +5,20 @@ message is sent. Communication problems (a peer that stops answering, a dead pee
 connection) raise :class:`CollectiveError`; a wait that runs past its deadline raises
 :class:`CollectiveTimeoutError`. Both name the collective and the peer rank involved. Deadlines
 are given as seconds or ``timedelta`` everywhere (:func:`timeout_seconds`).
+
+``CollectiveError`` derives from torch's ``DistBackendError`` (itself a ``DistError``, a
+``RuntimeError``), so ``except torch.distributed.DistError`` (or ``dist.DistError`` after the
+import swap) catches our communication failures exactly as it catches torch's.
 """
 
 from __future__ import annotations
 
 import datetime
 
+import torch.distributed as dist
 
-class CollectiveError(RuntimeError):
+
+class CollectiveError(dist.DistBackendError):
     """A collective could not complete: a peer failed, or the group is unusable.
 
     Attributes:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from . import debug, trace
+from . import debug, mailbox, trace, wire
 from .backends import AUTO, Backend, get_backend, resolve_backend, select_backend
 from .engine import Engine, Tuning
 from .errors import CollectiveError, CollectiveTimeoutError, timeout_seconds
@@ -169,27 +169,36 @@ class Group:
         async_op: bool,
         signature: debug.Signature,
         result: list[torch.Tensor] | None = None,
+        *,
+        algorithm: str = "-",
+        sizes: tuple[list[int], list[int]] | None = None,
     ) -> Work | None:
         """Run ``fn`` on the group's FIFO queue (now, or on the communication thread if async).
 
         Refuses to start on a broken group; a :class:`CollectiveError` inside ``fn`` breaks it.
-        Under ``RINGDDP_DEBUG`` every rank's ``signature`` is compared first; while tracing, the
+        At ``RINGDDP_DEBUG=DETAIL`` every rank's ``signature`` is compared first; while tracing, the
         call is recorded. ``result``: the output tensors, the value of the returned
-        :class:`Work`'s future.
+        :class:`Work`'s future. ``algorithm`` and ``sizes`` (all-to-all: bytes to / from each
+        rank) complete the wire check's header (:mod:`collectives.wire`). ``fn`` runs under
+        ``torch.no_grad()``: like torch's, collectives are not recorded by autograd, so tensors
+        that require grad are accepted.
         """
         if self._broken is not None:
             raise CollectiveError(
                 f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name
             )
         label = trace.current_label()  # read on the submitting thread
+        header = wire.header(signature, self.tuning, algorithm, sizes)
 
         def run() -> None:
             tracer = trace.active()
             start = time.perf_counter_ns() if tracer is not None else 0
             try:
+                mailbox.settle(self)  # receives posted by irecv take their messages before ours
                 if debug.enabled():
                     debug.check_agreement(self, signature)
-                fn()
+                with torch.no_grad(), wire.expect(header):
+                    fn()
             except CollectiveError as exc:
                 self._mark_broken(exc)
                 raise
@@ -355,3 +364,9 @@ def new_group(
     _subgroups.append(g)
     return g
 
+
+def __getattr__(name: str) -> Group | None:
+    """``collectives.group.WORLD``: the default group when read (``None`` before init), like torch's."""
+    if name == "WORLD":
+        return _world
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

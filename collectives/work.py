@@ -7,6 +7,14 @@ not, goes through one FIFO queue and runs in program order on every rank.
 An ``async_op=True`` call is queued and runs on the group's communication thread; it returns a
 :class:`Work` handle at once. A synchronous call runs on the caller's thread when nothing is
 queued (no thread hop on the common path), and otherwise queues behind the pending work and waits.
+
+One thread per group at a time. The queue orders one thread's calls; two threads calling
+collectives on the same group concurrently would be ordered by whichever thread gets there first,
+which differs from rank to rank, so the ranks would pair different collectives (mixing each
+other's data). :meth:`Executor.submit` refuses, with a ``RuntimeError`` saying what to do, a call
+from a second thread while another thread's calls are still queued or running (the group's own
+communication thread, where ``Work`` future callbacks run, may chain calls). Use a group per thread
+(``new_group``), or hand the calls to one thread.
 """
 
 from __future__ import annotations
@@ -111,11 +119,13 @@ class Executor:
         self._busy = False
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._owner: threading.Thread | None = None  # the thread whose calls are queued or running
 
     def submit(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{work.name}: the group was destroyed")
+            self._check_thread(work.name)
             inline = not async_op and not self._busy and not self._queue
             if inline:
                 self._busy = True
@@ -138,6 +148,20 @@ class Executor:
                 self._busy = False
                 self._cond.notify_all()
         return work
+
+    def _check_thread(self, op_name: str) -> None:
+        """Refuse a call from a second thread while another thread's calls are pending (see the module doc)."""
+        me = threading.current_thread()
+        if me is self._thread:  # a Future callback chaining a collective: ordered by the queue itself
+            return
+        if (self._busy or self._queue) and self._owner is not None and self._owner is not me:
+            raise RuntimeError(
+                f"{op_name}: thread {me.name!r} called a collective on group {self._name} while thread "
+                f"{self._owner.name!r} still has collectives queued or running on it. Ranks would pair the "
+                "two threads' calls in different orders and mix their data. Issue a group's collectives "
+                "from one thread (or wait for them first), or give each thread its own group (new_group)"
+            )
+        self._owner = me
 
     def _ensure_thread(self) -> None:
         if self._thread is None:

@@ -77,7 +77,7 @@ import contextlib
 import logging
 import weakref
 import zlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -86,6 +86,7 @@ import collectives
 from collectives import Group, trace
 
 from .bucket import BucketInfo, assign_buckets, cap_from_mb, format_bucket_table
+from .join import Join
 from .reducer import CommHook, Reducer, ReductionStats
 from .sync import broadcast_tensors
 
@@ -107,8 +108,11 @@ class DistributedDataParallel(nn.Module):
         module: the model. Parameters may live on any device the group's backend can move
             (CPU with ``p2p``/``torch``, CUDA with ``nccl-cupy``); each bucket lives on its
             parameters' device.
+        device_ids, output_device: torch's arguments, accepted for scripts that pass them:
+            ``device_ids`` is ``None`` or names the module's one device; ``output_device`` is
+            ignored (outputs stay where the module puts them).
         group: the collectives group to average over (default: the default group). The
-            parameters are broadcast from its first rank.
+            parameters are broadcast from its first rank. ``process_group`` is torch's name for it.
         bucket_cap_mb: target bucket size in MiB (torch's default 25). ``0`` puts every parameter
             in its own bucket; ``float("inf")`` makes one bucket per dtype.
         first_bucket_cap_mb: cap of the first bucket (default: ``bucket_cap_mb``). A small first
@@ -133,8 +137,11 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
         *,
         group: Group | None = None,
+        process_group: Group | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         broadcast_buffers: bool = True,
@@ -146,6 +153,10 @@ class DistributedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be an nn.Module, got {type(module).__name__}")
         self.module = module
+        _check_devices(module, device_ids, output_device)
+        if group is not None and process_group is not None:
+            raise ValueError("DistributedDataParallel: pass group or process_group (torch's name), not both")
+        group = process_group if group is None else group
         self.process_group: Group = collectives.get_default_group() if group is None else group
         self.world_size = collectives.get_world_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
@@ -190,6 +201,7 @@ class DistributedDataParallel(nn.Module):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
+        self._join: Join | None = None  # inside join(): the context to notify at each forward
         self._require_sync = True  # False inside no_sync()
         self._forward_sync = True  # _require_sync as it was at the last forward with grad enabled
 
@@ -232,14 +244,17 @@ class DistributedDataParallel(nn.Module):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        src = None  # buffers come from the group's first rank; inside join() from the one notify names
         if torch.is_grad_enabled():
             self._forward_sync = self._require_sync
+            if self._join is not None:
+                src = self._join.notify(self._require_sync)
         with trace.span("forward", "ddp"):
             if self.broadcast_buffers:
                 buffers = list(self.module.buffers())
                 if buffers:
                     with trace.label("broadcast buffers"):
-                        broadcast_tensors(buffers, group=self.process_group)
+                        broadcast_tensors(buffers, src=src, group=self.process_group)
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -271,6 +286,17 @@ class DistributedDataParallel(nn.Module):
         follow: ``ddp/comm_hooks.py``.
         """
         self.reducer.register_comm_hook(state, hook)
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Train on uneven inputs: ranks that run out of batches shadow the others (``ddp/join.py``)::
+
+            with model.join():
+                for x, y in loader:     # a different number of batches on each rank
+                    ...
+        """
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def remove_hooks(self) -> None:
         """Detach this wrapper from the module's parameters (gradients are no longer reduced)."""
@@ -306,6 +332,28 @@ def _make_hook(self_ref: "weakref.ref[DistributedDataParallel]", index: int):
             self.reducer.on_grad_ready(index, sync=self._require_sync and self._forward_sync)
 
     return hook
+
+
+def _check_devices(module: nn.Module, device_ids: object, output_device: object) -> None:
+    """torch's ``device_ids`` / ``output_device``, for scripts that pass them.
+
+    Our DDP runs the module where its parameters are. ``device_ids`` must then be ``None`` or name
+    that one device (``DDP(model, device_ids=[rank])`` on a model moved to ``cuda:rank``; on a CPU
+    model ``None``), as torch requires for single-device modules. ``output_device`` is accepted and
+    ignored, as torch does for CPU modules: outputs stay where the module puts them.
+    """
+    if device_ids is None:
+        return
+    devices = {p.device for p in module.parameters()} or {torch.device("cpu")}
+    if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
+        raise ValueError(f"DistributedDataParallel: device_ids must be None or a list of one device, got {device_ids!r}")
+    d = device_ids[0]
+    device = torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else torch.device(d)
+    if devices != {device}:
+        raise ValueError(
+            f"DistributedDataParallel: device_ids={device_ids!r} but the module's parameters are on "
+            f"{sorted(map(str, devices))}; device_ids must name the module's one device (None for a CPU module)"
+        )
 
 
 def _group_device(module: nn.Module) -> torch.device:

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -107,12 +108,18 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _identical_parameters(model: nn.Module) -> bool:
-    """True on every rank iff every rank's parameters and buffers equal rank 0's bitwise."""
+    """True on every rank iff every rank's parameters and buffers equal rank 0's bitwise.
+
+    Checked with torch.distributed's own broadcast and all-reduce on its default process group,
+    not ours: a bug in our collectives must not be able to vouch for itself.
+    """
     flat = torch.cat([t.detach().reshape(-1).double() for t in list(model.parameters()) + list(model.buffers())])
+    if tdist.get_backend() != "nccl":  # gloo moves CPU tensors
+        flat = flat.cpu()
     reference = flat.clone()
-    collectives.broadcast(reference, src=0)
+    tdist.broadcast(reference, src=0)
     same = torch.tensor([1 if torch.equal(flat, reference) else 0], dtype=torch.int32, device=flat.device)
-    collectives.all_reduce(same, ReduceOp.MIN)
+    tdist.all_reduce(same, tdist.ReduceOp.MIN)
     return bool(same.item())
 
 

@@ -18,6 +18,15 @@ The contract is deliberately small:
 * Every :meth:`Request.wait` has a deadline (``timeout`` seconds). Past it, or when the peer
   disappears, the wait raises :class:`~collectives.errors.CollectiveError` naming the collective
   (``transport.op``) and the peer rank.
+* Optional, the wire check (:mod:`collectives.wire`): inside :meth:`Transport.operation`,
+  :func:`collectives.wire.current` is the :class:`~collectives.wire.Header` of the collective
+  (None when unchecked). A transport that can should make every message of the collective say
+  which collective it belongs to (``wire.tag(header.tag_base(seq), nbytes)``, with ``seq`` its
+  count of checked collectives) and never deliver a message whose tag differs from the receive's,
+  and compare the headers of the ranks before trusting a payload, raising ``CollectiveError`` on
+  a difference. torch point-to-point does it with gloo tags and a header exchange; a transport
+  with its own wire (shared memory) can put the tag in each slot's header for free; one that
+  cannot (NCCL) ignores the header.
 
 Buffers handed to a transport are contiguous; the caller keeps them alive and untouched until
 the request completes.

@@ -3,16 +3,23 @@
 This is the default transport. torch's process group is used only as a wire: we never call its
 collectives here. gloo runs every posted send/receive on its own I/O threads, so a Python
 algorithm can reduce one segment while the next ones are on the wire.
+
+It implements the wire check of :mod:`collectives.wire`: gloo tags that name each payload message
+of a collective (a mismatched message is never paired, so gloo never aborts on a size
+difference), and, at ``RINGDDP_DEBUG=CHECK`` (the default), a header exchange with the ring
+neighbours at the start of each collective, compared before the first payload wait.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
 
+from .. import wire
 from ..errors import CollectiveError, CollectiveTimeoutError
 from .base import Peer, Request, Transport
 
@@ -33,6 +40,8 @@ class TorchP2PRequest(Request):
     def wait(self) -> None:
         if self._done:
             return
+        if self._transport.headers_pending():
+            self._transport.check_headers()  # never trust a payload before the headers matched
         try:
             self._work.wait(self._transport.wait_timeout)
         except RuntimeError as exc:
@@ -51,12 +60,72 @@ class TorchP2PTransport(Transport):
             ``i`` of that group.
         rank: this process's rank within the group.
         timeout: seconds every wait may block before raising.
+        tag: gloo tag of every message. Messages of different tags never match each other, so a
+            transport with its own tag is a channel of its own on the same process group (user
+            point-to-point uses one, see ``collectives/mailbox.py``).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup, rank: int, timeout: float):
+    def __init__(self, process_group: dist.ProcessGroup, rank: int, timeout: float, tag: int = 0):
         super().__init__(rank, process_group.size(), timeout)
         self._pg = process_group
+        self._channel = tag
         self.wait_timeout = datetime.timedelta(seconds=timeout)
+        self._seq = 0  # collectives so far: part of every tag, so stale messages never pair
+        self._tag_base: int | None = None  # of the collective under way; None (point-to-point): tag 0
+        self._headers: list[tuple[Peer, torch.Tensor, torch.Tensor, dist.Work]] | None = None
+        self._header_sends: list[dist.Work] = []  # kept alive until the next collective, never waited
+
+    @contextmanager
+    def operation(self, name: str) -> Iterator[None]:
+        """Label the traffic; if the API made a :class:`~collectives.wire.Header` current, check it."""
+        header = wire.current()
+        with super().operation(name):
+            if header is None or self.world_size == 1:
+                yield
+                return
+            self._seq += 1
+            self._tag_base = header.tag_base(self._seq)
+            self._headers, self._header_sends = [], []
+            neighbours = ((self.rank - 1) % self.world_size, (self.rank + 1) % self.world_size) if header.exchange else ()
+            try:
+                for peer in dict.fromkeys(neighbours):
+                    mine, theirs = header.encode(self._seq, peer), torch.empty(wire.FIELDS, dtype=torch.int64)
+                    recv = self._post(self._pg.recv, theirs, peer, wire.HEADER_TAG, "recv")
+                    self._header_sends.append(self._post(self._pg.send, mine, peer, wire.HEADER_TAG, "send"))
+                    self._headers.append((peer, mine, theirs, recv))
+                yield
+                self.check_headers()  # a collective that moved no payload still compares
+            finally:
+                self._tag_base, self._headers = None, None
+
+    def headers_pending(self) -> bool:
+        return bool(self._headers)
+
+    def check_headers(self) -> None:
+        """Wait for the neighbours' headers; raise ``CollectiveError`` if a call differs from ours."""
+        pending, self._headers = self._headers, None
+        for peer, mine, theirs, recv in pending or ():
+            TorchP2PRequest(recv, self, "recv (header)", peer).wait()
+            diffs = wire.compare(mine, theirs)
+            if diffs:
+                raise CollectiveError(
+                    f"{self.op}: rank {peer} called a different collective (wire check, RINGDDP_DEBUG=CHECK). "
+                    f"This rank ({self.rank}) called {wire.describe(mine)}; rank {peer} called "
+                    f"{wire.describe(theirs)}; they differ in {', '.join(diffs)}. Every rank must issue the "
+                    "same collectives in the same order with matching dtype, size, op, root, algorithm and "
+                    "Tuning. No payload was delivered, but this group is unusable now",
+                    op=self.op,
+                    peer=peer,
+                )
+
+    def _post(self, method, tensor: torch.Tensor, peer: Peer, tag: int, kind: str) -> dist.Work:
+        try:  # the process group's own methods take group ranks and skip torch's Python-side checks
+            return method([tensor], peer, tag)
+        except RuntimeError as exc:  # gloo refuses to post once the pair to the peer is closed
+            raise self.error(exc, kind, peer) from exc
+
+    def _tag(self, tensor: torch.Tensor) -> int:
+        return self._channel if self._tag_base is None else wire.tag(self._tag_base, tensor.numel() * tensor.element_size())
 
     @classmethod
     def for_group(cls, group: "Group", device: torch.device) -> "TorchP2PTransport":
@@ -71,23 +140,14 @@ class TorchP2PTransport(Transport):
         what = f"timed out after {self.timeout:g}s" if timed_out else "failed"
         first_line = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
         return cls(
-            f"{self.op}: {kind} {'to' if kind == 'send' else 'from'} rank {peer} {what} "
+            f"{self.op}: {kind} {'to' if kind.startswith('send') else 'from'} rank {peer} {what} "
             f"(this is rank {self.rank} of {self.world_size}): {first_line}",
             op=self.op,
             peer=peer,
         )
 
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
-        # The process group's own methods take group ranks and skip torch's Python-side checks.
-        try:
-            work = self._pg.send([tensor], peer, 0)
-        except RuntimeError as exc:  # gloo refuses to post once the pair to the peer is closed
-            raise self.error(exc, "send", peer) from exc
-        return TorchP2PRequest(work, self, "send", peer)
+        return TorchP2PRequest(self._post(self._pg.send, tensor, peer, self._tag(tensor), "send"), self, "send", peer)
 
     def irecv(self, tensor: torch.Tensor, peer: Peer) -> Request:
-        try:
-            work = self._pg.recv([tensor], peer, 0)
-        except RuntimeError as exc:
-            raise self.error(exc, "recv", peer) from exc
-        return TorchP2PRequest(work, self, "recv", peer)
+        return TorchP2PRequest(self._post(self._pg.recv, tensor, peer, self._tag(tensor), "recv"), self, "recv", peer)

@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
+import torch.distributed as tdist
 
+import collectives
 from collectives import bench
 
 
@@ -45,3 +47,31 @@ def test_bench_rejects_unknown_ops(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--ops", "all_reduce,allreduce"])
     assert "allreduce" in capsys.readouterr().err
+
+
+def _wrong_counts(rank, world_size):
+    """#wrong of every bench op, for our collectives and for ones that write nothing."""
+    reference = tdist.new_group(backend="gloo")
+    names = ("all_reduce", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor", "scatter", "gather",
+             "all_to_all_single")  # fmt: skip
+    counts = {}
+    for broken in (False, True):
+        saved = {name: getattr(collectives, name) for name in names}
+        if broken:
+            for name in names:
+                setattr(collectives, name, lambda *args, **kwargs: None)
+        try:
+            counts[broken] = {op: bench._Case(op, torch.float32, 1024, rank, world_size, torch.device("cpu")).wrong(reference)
+                              for op in bench.OPS}
+        finally:
+            for name, fn in saved.items():
+                setattr(collectives, name, fn)
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_bench_counts_outputs_never_written_as_wrong(pools):
+    counts = pools(2).run(_wrong_counts)
+    for op in bench.OPS:
+        assert sum(c[False][op] for c in counts) == 0, (op, counts)
+        assert sum(c[True][op] for c in counts) > 0, (op, counts)  # torch's result is not mistaken for ours

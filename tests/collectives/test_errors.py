@@ -26,7 +26,7 @@ def bad_calls(rank, world_size):
         (ValueError, lambda: collectives.all_reduce(torch.ones(2, dtype=torch.int64), op=ReduceOp.AVG)),
         (ValueError, lambda: collectives.all_reduce(t, op="median")),
         (ValueError, lambda: collectives.all_reduce(t, algorithm="butterfly")),
-        (ValueError, lambda: collectives.all_reduce(torch.ones(2, device="meta"))),  # device
+        (TypeError, lambda: collectives.all_reduce(torch.ones(2, device="meta"))),  # meta: no data
         (TypeError, lambda: collectives.all_gather([torch.ones(4, dtype=torch.int32)] * world_size, t)),
         (ValueError, lambda: collectives.all_gather_into_tensor(torch.ones(4 * world_size + 1), t)),
         (ValueError, lambda: collectives.reduce_scatter_tensor(torch.ones(3), torch.ones(3 * world_size + 2))),

@@ -114,22 +114,29 @@ def silent_mismatch(rank, world_size):
     try:
         collectives.all_reduce(torch.ones(5000 + rank * 7))  # sizes differ, no debug mode
     except CollectiveError as exc:
-        return "error", exc.op
-    return "no error", None
+        return "error", exc.op, str(exc)
+    return "no error", None, ""
 
 
 @pytest.mark.timeout(120)
-def test_without_debug_mode_a_mismatch_fails_instead_of_hanging(monkeypatch):
-    """Without the check, mismatched sizes still end the job quickly: gloo aborts the process that
-    receives a longer message than it posted (``Received data size doesn't match``), and its peers
-    get a CollectiveError; either way the launcher reports it. Debug mode turns this into a clean
-    ValueError (test above)."""
+def test_default_level_turns_a_size_mismatch_into_a_collective_error(monkeypatch):
+    """At the default level (RINGDDP_DEBUG=CHECK) the wire check finds the mismatch before any
+    payload is trusted: a CollectiveError on both ranks, no process killed."""
     monkeypatch.delenv("RINGDDP_DEBUG", raising=False)
     start = time.monotonic()
-    try:
-        results = collectives.launch(silent_mismatch, 2, timeout=3.0, join_timeout=60)
-    except LaunchError as exc:
-        assert "died" in str(exc) or "all_reduce" in str(exc), str(exc)
-    else:
-        assert all(r == ("error", "all_reduce") for r in results), results
-    assert time.monotonic() - start < 40
+    results = collectives.launch(silent_mismatch, 2, timeout=10.0, join_timeout=60)
+    for kind, op, message in results:
+        assert (kind, op) == ("error", "all_reduce"), message
+        assert "differ in numel" in message and "numel=5000" in message and "numel=5007" in message, message
+    assert time.monotonic() - start < 30  # found at once, not at a deadline
+
+
+@pytest.mark.timeout(120)
+def test_with_checks_off_a_mismatch_times_out_instead_of_killing_a_rank(monkeypatch):
+    """With RINGDDP_DEBUG=OFF there is no header exchange, but payload messages are still tagged
+    with what they are: the mismatched messages never pair (gloo would abort the receiver of a
+    longer message than it posted), so both ranks wait and raise CollectiveTimeoutError."""
+    monkeypatch.setenv("RINGDDP_DEBUG", "OFF")
+    results = collectives.launch(silent_mismatch, 2, timeout=5.0, join_timeout=60)
+    for kind, op, message in results:
+        assert (kind, op) == ("error", "all_reduce") and "timed out" in message, message

@@ -25,7 +25,7 @@ def test_pipelined_rings_match_torch(pools, world_size):
     pool = pools(world_size)
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(case=cases(world_size, RING_USERS, max_numel=600), seg=st.sampled_from([2, 8, 24, 100]), depth=st.integers(1, 5))
+    @given(case=cases(world_size, RING_USERS, max_bytes=2400), seg=st.sampled_from([2, 8, 24, 100]), depth=st.integers(1, 5))
     def check(case, seg, depth):
         pool.run(set_tuning, seg, depth, 0, 0)  # small_bytes = chain_bytes = 0: always ring / chain
         assert_matches_reference(pool, case)

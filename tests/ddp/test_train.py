@@ -75,3 +75,23 @@ def test_gpu_training_matches_the_cpu_run():
     # Same seeds and data; only float rounding differs between the devices' kernels.
     assert _losses(gpu) == pytest.approx(_losses(cpu), rel=2e-3) and len(_losses(gpu)) == 3
     assert abs(final_accuracy(gpu) - final_accuracy(cpu)) <= 1.0
+
+
+def _verdicts(rank, world_size):
+    """The "parameters identical" verdict on equal models, and on models that differ on rank 1."""
+    import torch
+
+    from ddp.train import _identical_parameters, make_model
+
+    torch.manual_seed(0)
+    model = make_model(8)
+    same = _identical_parameters(model)
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[3] += 2.0**-20
+    return same, _identical_parameters(model)
+
+
+@pytest.mark.timeout(120)
+def test_identical_parameters_verdict_sees_a_one_bit_difference(pools):
+    assert pools(2).run(_verdicts) == [(True, False), (True, False)]

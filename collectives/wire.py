@@ -1,0 +1,192 @@
+"""The wire check: every collective says what it is, so mismatched calls fail cleanly on every rank.
+
+Point-to-point algorithms trust that all ranks issue the same collective with matching
+arguments. When they do not, gloo pairs the messages anyway: bytes of the same size land in the
+wrong place (float32 read as int32, SUM combined with MAX — a silent wrong answer), and a message
+of another size makes gloo *abort the receiving process* (``Received data size doesn't match``).
+
+Two mechanisms, in the p2p (gloo) transport:
+
+1. **Tags that say what a payload message is** (every level, free). Every payload message of a
+   collective is tagged with a hash of (sequence number, header, message bytes), where the
+   header (:class:`Header`) is what the rank was asked to do: collective, dtype, element count,
+   reduce op, root, algorithm, a hash of the group's :class:`~collectives.engine.Tuning`, and for
+   all-to-all the bytes for each peer. A receive only ever matches a send of the same
+   collective, arguments and size: a mismatched send is never paired, so it never aborts the
+   receiver and never lands in its buffer. It costs one integer per message, nothing on the wire.
+   Alone (``RINGDDP_DEBUG=OFF``) a mismatch then leaves the ranks waiting for messages that never
+   come: a :class:`~collectives.errors.CollectiveTimeoutError` at the group's deadline.
+2. **A header exchange** (``CHECK``, the default, and ``DETAIL``). At the start of each
+   collective a rank posts its header (:data:`FIELDS` int64s) to both ring neighbours and a
+   receive for theirs, on a slot of their own with a fixed size (they always pair up without
+   error). The first wait of the collective (or its end, if it moved nothing) waits for the
+   neighbours' headers and compares; on a difference it raises
+   :class:`~collectives.errors.CollectiveError` describing both calls. Payload receives are
+   posted at once (the tags make that safe), so the header's trip overlaps the payload's instead
+   of preceding it; what it costs is one more small message each way per collective. If every
+   rank agrees with its ring neighbours, all ranks agree, so every mismatch is found: the
+   neighbours of a deviating rank and that rank raise at once, ranks further away when their
+   payload waits fail (the raising ranks' processes stop, or the deadline).
+
+A transport that owns its wire (the shared-memory transport) carries the same
+:func:`tag` in its slot header and compares it on arrival, for free. NCCL has neither
+tags nor a side channel in its send/receive, so the NCCL transport ignores headers (use
+``RINGDDP_DEBUG=DETAIL``, whose all-gathered signature runs over gloo).
+
+The public API builds the :class:`Header` of each call (:func:`header`) and makes it current for
+the transport with :func:`expect` around the collective's body; a transport reads it in
+:meth:`~collectives.transport.base.Transport.operation` with :func:`current`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import zlib
+from typing import Iterator, Sequence
+
+import numpy
+import torch
+
+from . import debug
+from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS, Tuning
+from .ops import SUPPORTED_DTYPES, ReduceOp
+
+#: int64 fields of a header message.
+FIELDS = 10
+#: gloo slot (tag) of header messages; collective payload tags are 2 .. HEADER_TAG - 1, unchecked
+#: traffic 0, user point-to-point 1 (``collectives/mailbox.py``).
+HEADER_TAG = (1 << 31) - 1
+_NAMES = ("sequence", "collective", "dtype", "numel", "op", "root", "algorithm", "tuning", "send bytes", "receive bytes")
+
+
+@functools.lru_cache(maxsize=1024)
+def _code(text: str) -> int:
+    return zlib.crc32(text.encode())  # stable across processes, unlike hash()
+
+
+#: The calls that carry a header: collectives, where every rank of the group takes part.
+#: Point-to-point calls (send / recv) involve two ranks only and go unchecked.
+COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "scatter", "gather", "all_to_all", "all_to_all_single", "barrier",
+)  # fmt: skip
+_KNOWN = {
+    _code(s): s
+    for s in (
+        *COLLECTIVES, "-", *(str(d) for d in SUPPORTED_DTYPES), *(o.name for o in ReduceOp),
+        *ALL_REDUCE_ALGORITHMS, *BROADCAST_ALGORITHMS, *REDUCE_ALGORITHMS,
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """What one rank is about to do: compared with the ring neighbours before payload is trusted.
+
+    ``numel`` is -1 where ranks may legitimately differ (all-to-all, see
+    :func:`collectives.debug.signature`); there ``sends`` / ``recvs`` give the bytes for each peer.
+    """
+
+    collective: str
+    dtype: str
+    numel: int
+    op: str
+    root: int
+    algorithm: str
+    tuning: int
+    sends: tuple[int, ...] | None = None
+    recvs: tuple[int, ...] | None = None
+    exchange: bool = True  #: exchange headers (CHECK, DETAIL); at OFF only the tags are used
+
+    @functools.cached_property
+    def _fields(self) -> tuple[int, ...]:
+        return (_code(self.collective), _code(self.dtype), self.numel, _code(self.op), self.root, _code(self.algorithm), self.tuning)
+
+    def encode(self, seq: int, peer: int) -> torch.Tensor:
+        """The header message for ``peer``."""
+        pair = (self.sends[peer], self.recvs[peer]) if self.sends is not None and self.recvs is not None else (-1, -1)
+        return torch.from_numpy(numpy.array([seq, *self._fields, *pair], dtype=numpy.int64))
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return _code(str(self._fields))
+
+    def tag_base(self, seq: int) -> int:
+        """A hash of this header as collective number ``seq``; see :func:`tag`."""
+        return self._hash ^ (seq * 0x9E3779B1 & 0xFFFFFFFF)
+
+
+def tag(base: int, nbytes: int) -> int:
+    """Tag of a payload message of ``nbytes`` in the collective whose :meth:`Header.tag_base` is ``base``."""
+    return (base + nbytes * 2654435761) % (HEADER_TAG - 2) + 2
+
+
+def compare(mine: torch.Tensor, theirs: torch.Tensor) -> list[str]:
+    """Names of the fields in which two header messages (as sent to each other) disagree."""
+    mine, theirs = mine.tolist(), theirs.tolist()
+    if mine[:8] == theirs[:8] and mine[8] == theirs[9] and mine[9] == theirs[8]:
+        return []
+    diffs = [_NAMES[i] for i in range(8) if mine[i] != theirs[i]]
+    # all-to-all: what I send them must be what they expect from me, and vice versa
+    if mine[8] != theirs[9] or mine[9] != theirs[8]:
+        diffs.append("bytes exchanged")
+    return diffs
+
+
+def describe(message: torch.Tensor) -> str:
+    """A header message in words: ``all_reduce(dtype=torch.float32, numel=8, op=SUM) #3``."""
+    seq, coll, dtype, numel, op, root, alg, _, send, recv = message.tolist()
+    name = lambda code: _KNOWN.get(code, f"<{code:#x}>")  # noqa: E731
+    parts = [f"dtype={name(dtype)}"] if name(dtype) != "-" else []
+    parts += [f"numel={numel}"] if numel >= 0 and name(dtype) != "-" else [f"sends {send} bytes, expects {recv} bytes"] if send >= 0 else []
+    parts += [f"op={name(op)}"] if name(op) != "-" else []
+    parts += [f"root={root}"] if root >= 0 else []
+    parts += [f"algorithm={name(alg)}"] if name(alg) not in ("-", "auto") else []
+    return f"{name(coll)}({', '.join(parts)}) as collective #{seq}"
+
+
+def header(
+    signature: debug.Signature,
+    tuning: Tuning,
+    algorithm: str = "-",
+    sizes: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> Header | None:
+    """The header of a call (None for calls that are not :data:`COLLECTIVES`).
+
+    At ``RINGDDP_DEBUG=OFF`` the header only makes the tags (``exchange=False``).
+
+    ``sizes``: for all-to-all, (bytes sent to, bytes expected from) each group rank.
+    """
+    if signature.name not in COLLECTIVES:
+        return None
+    sends, recvs = (tuple(sizes[0]), tuple(sizes[1])) if sizes is not None else (None, None)
+    return _header(signature.name, signature.dtype, signature.numel, signature.op, signature.root, algorithm,
+                   str(tuple(vars(tuning).values())), sends, recvs, debug.level() != "OFF")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _header(name: str, dtype: str, numel: int, op: str, root: int, algorithm: str, tuning: str,
+            sends: tuple[int, ...] | None, recvs: tuple[int, ...] | None, exchange: bool) -> Header:  # fmt: skip
+    """Headers are immutable: a training loop's repeated calls reuse one."""
+    return Header(name, dtype, numel, op, root, algorithm, _code(tuning), sends, recvs, exchange)
+
+
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def expect(h: Header | None) -> Iterator[None]:
+    """Make ``h`` the header of the collective run inside the block (on this thread)."""
+    previous, _current.header = getattr(_current, "header", None), h
+    try:
+        yield
+    finally:
+        _current.header = previous
+
+
+def current() -> Header | None:
+    """The header of the collective this thread is running, if it is checked."""
+    return getattr(_current, "header", None)
