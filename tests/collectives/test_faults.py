@@ -124,7 +124,8 @@ def test_default_level_turns_a_size_mismatch_into_a_collective_error(monkeypatch
     payload is trusted: a CollectiveError on both ranks, no process killed."""
     monkeypatch.delenv("RINGDDP_DEBUG", raising=False)
     start = time.monotonic()
-    results = collectives.launch(silent_mismatch, 2, timeout=10.0, join_timeout=60)
+    # p2p's wire check (gloo tags + header exchange); shm's own check is in test_shm.py
+    results = collectives.launch(silent_mismatch, 2, backend="p2p", timeout=10.0, join_timeout=60)
     for kind, op, message in results:
         assert (kind, op) == ("error", "all_reduce"), message
         assert "differ in numel" in message and "numel=5000" in message and "numel=5007" in message, message
@@ -137,6 +138,6 @@ def test_with_checks_off_a_mismatch_times_out_instead_of_killing_a_rank(monkeypa
     with what they are: the mismatched messages never pair (gloo would abort the receiver of a
     longer message than it posted), so both ranks wait and raise CollectiveTimeoutError."""
     monkeypatch.setenv("RINGDDP_DEBUG", "OFF")
-    results = collectives.launch(silent_mismatch, 2, timeout=5.0, join_timeout=60)
+    results = collectives.launch(silent_mismatch, 2, backend="p2p", timeout=5.0, join_timeout=60)
     for kind, op, message in results:
         assert (kind, op) == ("error", "all_reduce") and "timed out" in message, message
