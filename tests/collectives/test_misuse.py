@@ -435,7 +435,8 @@ def test_mismatch_fuzz_no_silent_wrong_results_no_aborts(pools, monkeypatch):
     counts: dict[str, int] = {}
     bad = []
     for job in range(FUZZ_JOBS):
-        results = collectives.launch(fuzz_cases, 2, 1000 + job, per_job, timeout=20.0, join_timeout=280)
+        # the wire check (header exchange) is p2p's; the shm transport does not implement it yet
+        results = collectives.launch(fuzz_cases, 2, 1000 + job, per_job, backend="p2p", timeout=20.0, join_timeout=280)
         (out0, healthy0), (out1, healthy1) = results
         assert healthy0 and healthy1
         for i, (r0, r1) in enumerate(zip(out0, out1)):
@@ -502,7 +503,8 @@ def test_named_mismatches_raise_collective_error_on_every_rank(monkeypatch):
     """The mismatches of issue 17, at the default level: a CollectiveError on both ranks naming
     the field, no killed process (launch would raise), and the default group still works."""
     monkeypatch.delenv("RINGDDP_DEBUG", raising=False)
-    results = collectives.launch(named_mismatches, 2, timeout=20.0, join_timeout=150)
+    # the wire check (header exchange) is p2p's; the shm transport does not implement it yet
+    results = collectives.launch(named_mismatches, 2, backend="p2p", timeout=20.0, join_timeout=150)
     for rank, (outcomes, healthy) in enumerate(results):
         assert healthy
         for name, ((_, _), field) in NAMED_MISMATCHES.items():
