@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 
 _LINE = 8  # int64 counters per 64-byte cache line
 _SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, asleep flag
+_ABANDONED = _SLEEPING + 1  # set once by a rank that found a mismatch: its peers stop waiting
 _TAG = _SEQ + 1  # two words after the step: the signature of the piece in each half
 _PAIR = 3 * _LINE  # per sender: head line, tail line, slot-size line
 _MAX_SLOTS = _LINE
@@ -485,6 +486,14 @@ class ShmTransport(Transport, SharedRegions):
                 self._drain(self._fd_peer[fileno])
             if ready():
                 return
+            abandoned = [q for q in range(self.world_size) if q != self.rank and self._ctrl[q][_ABANDONED]]
+            if abandoned:
+                raise CollectiveError(
+                    f"{self.op}: rank {abandoned[0]} found that the ranks called different collectives or sizes "
+                    f"and abandoned the call (this is rank {self.rank} of {self.world_size})",
+                    op=self.op,
+                    peer=abandoned[0],
+                )
             dead = [q for q in ([peer] + list(peers())) if q in self._dead]
             if dead:
                 raise CollectiveError(
@@ -493,6 +502,16 @@ class ShmTransport(Transport, SharedRegions):
                     op=self.op,
                     peer=dead[0],
                 )
+
+    def _abandon(self, error: CollectiveError) -> CollectiveError:
+        """Publish that this rank found a mismatch, so peers waiting on it raise at once instead of
+        at the deadline; returns ``error`` for the caller to raise."""
+        me = self._ctrl[self.rank]
+        me[_ABANDONED] = 1
+        for q in range(self.world_size):
+            if q != self.rank:
+                self._wake(q)
+        return error
 
     def _drain(self, q: Peer) -> None:
         s = self._socks[q]
@@ -555,12 +574,12 @@ class ShmTransport(Transport, SharedRegions):
             m = queue[0]
             sent = ctrl[base + 2 * _LINE + tail % slots]
             if sent != m.nbytes:
-                raise CollectiveError(
+                raise self._abandon(CollectiveError(
                     f"{self.op}: rank {q} sent a {sent}-byte message where this rank (rank {self.rank}) "
                     f"expected {m.nbytes} bytes: the ranks called different collectives or sizes",
                     op=self.op,
                     peer=q,
-                )
+                ))
             size = min(slot_bytes, m.nbytes - m.offset)
             if size:
                 m.data[m.offset : m.offset + size].copy_(self._slot(self.rank, q, tail % slots, size))
@@ -658,12 +677,12 @@ class ShmTransport(Transport, SharedRegions):
         _fence()
         for q in wait_for:
             if self._ctrl[q][_TAG + self._half] != self._signature:
-                raise CollectiveError(
+                raise self._abandon(CollectiveError(
                     f"{self.op}: rank {q} is running a different collective or size than this rank "
                     f"(rank {self.rank}): every rank must make the same calls with the same sizes",
                     op=self.op,
                     peer=q,
-                )
+                ))
 
     # ---- teardown --------------------------------------------------------------------------
 
