@@ -104,7 +104,7 @@ def _run_env_rank(fn, rank, size, args, backend, timeout, level) -> Any:
         destroy_process_group()
 
 
-def _set_parent_death_signal() -> None:
+def set_parent_death_signal() -> None:
     """Ask Linux to kill this process when its parent dies (no orphans after a crash)."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -117,7 +117,7 @@ def _set_parent_death_signal() -> None:
 
 def join_local(rank: int, size: int, port: int, backend: str | None, timeout, level: int) -> None:
     """Initialise collectives in a locally spawned rank whose store is at 127.0.0.1:``port``."""
-    _set_parent_death_signal()
+    set_parent_death_signal()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # bind gloo to loopback only
     import torch.distributed as dist
 
@@ -251,7 +251,7 @@ def _launch_local(fn, size, args, backend, timeout, join_timeout, level) -> list
                     else:
                         failures.append((rank, report))
                         if grace is None:
-                            grace = time.monotonic() + _grace_seconds(seconds)
+                            grace = time.monotonic() + grace_seconds(seconds)
     finally:
         # Ranks that reported success are finishing their interpreter shutdown: let them.
         stop_ranks(procs, exit_grace=5.0 if len(reported) == size and not failures else 0.0)
@@ -262,7 +262,7 @@ def _launch_local(fn, size, args, backend, timeout, join_timeout, level) -> list
     raise_failure(failures, missing, join_timeout if deadline and not failures else None)
 
 
-def _grace_seconds(timeout: float | None) -> float:
+def grace_seconds(timeout: float | None) -> float:
     return 15.0 if timeout is None else min(15.0, timeout + 5.0)
 
 

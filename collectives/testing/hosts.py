@@ -220,7 +220,7 @@ class HostNet:
         raise has its exception re-raised here with its traceback as a note (the others get a
         grace period, then are killed). ``fn`` must be importable by module and name.
         """
-        from ..launch import _grace_seconds, raise_failure
+        from ..launch import grace_seconds, raise_failure
 
         size = self.hosts * ranks_per_host
         with tempfile.TemporaryDirectory(prefix="ringddp-hosts-") as tmp:
@@ -243,7 +243,7 @@ class HostNet:
                     reports[rank] = _read(tmp, rank, proc.returncode)
                     if reports[rank].status != "ok":
                         failures.append((rank, reports[rank]))
-                        deadline = min(deadline, time.monotonic() + _grace_seconds(timeout))
+                        deadline = min(deadline, time.monotonic() + grace_seconds(timeout))
                 time.sleep(0.02)
             self._stop(procs)
         missing = [r for r in range(size) if r not in reports]
@@ -304,9 +304,9 @@ def _load_main(source: tuple[str, str]) -> None:
 
 def _rank_main(tmp: str) -> None:
     """One rank inside a namespace host: join through env://, run the job, write the report."""
-    from ..launch import _set_parent_death_signal, launch
+    from ..launch import set_parent_death_signal, launch
 
-    _set_parent_death_signal()
+    set_parent_death_signal()
     rank = int(os.environ["RANK"])
     try:
         with open(os.path.join(tmp, "job.pkl"), "rb") as f:
