@@ -619,21 +619,20 @@ class ShmTransport(Transport, SharedRegions):
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
         if not self._ready():
             return self._p2p.isend(tensor, peer)  # type: ignore[union-attr]
-        self._check_peer(peer)
-        m = _Message(tensor, peer, "send", self.config.slot_bytes)
-        self._sends[peer].append(m)
-        if len(self._sends[peer]) == 1:
-            self._push(peer)
-        return ShmRequest(self, m)
+        return self._queue(tensor, peer, "send", self._sends, self._push)
 
     def irecv(self, tensor: torch.Tensor, peer: Peer) -> Request:
         if not self._ready():
             return self._p2p.irecv(tensor, peer)  # type: ignore[union-attr]
+        return self._queue(tensor, peer, "recv", self._recvs, self._pull)
+
+    def _queue(self, tensor: torch.Tensor, peer: Peer, kind: str, queues, move: Callable[[Peer], bool]) -> Request:
+        """Queue one message to or from ``peer``; the first of its queue starts moving at once."""
         self._check_peer(peer)
-        m = _Message(tensor, peer, "recv", self.config.slot_bytes)
-        self._recvs[peer].append(m)
-        if len(self._recvs[peer]) == 1:
-            self._pull(peer)
+        m = _Message(tensor, peer, kind, self.config.slot_bytes)
+        queues[peer].append(m)
+        if len(queues[peer]) == 1:
+            move(peer)
         return ShmRequest(self, m)
 
     # ---- shared regions (see base.SharedRegions) -------------------------------------------
