@@ -169,6 +169,16 @@ class _Message:
         self.peer = peer
         self.kind = kind
 
+    def chunk(self, slot_bytes: int) -> tuple[int, int]:
+        """``(offset, size)`` of the next chunk of at most ``slot_bytes``."""
+        return self.offset, min(slot_bytes, self.nbytes - self.offset)
+
+    def advance(self, size: int) -> bool:
+        """Count one chunk of ``size`` bytes as moved; True when the whole message has moved."""
+        self.offset += size
+        self.chunks -= 1
+        return not self.chunks
+
 
 class ShmRequest(Request):
     __slots__ = ("_transport", "_message")
@@ -546,15 +556,13 @@ class ShmTransport(Transport, SharedRegions):
             if head - ctrl[base + _LINE] >= slots:
                 break
             m = queue[0]
-            size = min(slot_bytes, m.nbytes - m.offset)
+            offset, size = m.chunk(slot_bytes)
             if size:
-                self._slot(q, self.rank, head % slots, size).copy_(m.data[m.offset : m.offset + size])
+                self._slot(q, self.rank, head % slots, size).copy_(m.data[offset : offset + size])
             ctrl[base + 2 * _LINE + head % slots] = m.nbytes
             _fence()
             ctrl[base] = self._head[q] = head + 1
-            m.offset += size
-            m.chunks -= 1
-            if not m.chunks:
+            if m.advance(size):
                 queue.popleft()
             moved = True
         if moved:
@@ -580,14 +588,12 @@ class ShmTransport(Transport, SharedRegions):
                     op=self.op,
                     peer=q,
                 ))
-            size = min(slot_bytes, m.nbytes - m.offset)
+            offset, size = m.chunk(slot_bytes)
             if size:
-                m.data[m.offset : m.offset + size].copy_(self._slot(self.rank, q, tail % slots, size))
+                m.data[offset : offset + size].copy_(self._slot(self.rank, q, tail % slots, size))
             _fence()
             ctrl[base + _LINE] = self._tail[q] = tail + 1
-            m.offset += size
-            m.chunks -= 1
-            if not m.chunks:
+            if m.advance(size):
                 queue.popleft()
             moved = True
         if moved:
