@@ -38,7 +38,8 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
@@ -74,7 +75,7 @@ def test_rank_killed_mid_all_reduce(tmp_path):
     pids = [int(p.name) for p in piddir.iterdir()]
     assert len(pids) == 4
     time.sleep(0.5)
-    assert not [p for p in pids if _alive(p)], "rank processes outlived the launcher"
+    assert not [p for p in pids if process_alive(p)], "rank processes outlived the launcher"
 
 
 def mismatched(rank, world_size, kind):

@@ -21,6 +21,13 @@ def _healthy() -> bool:
     return t.tolist() == [float(W)] * 3
 
 
+def _assert_every_rank_ok(pools, job) -> None:
+    """Run ``job`` (returning ``(problems, healthy)``) on every rank; no problems, group still usable."""
+    for problems, healthy in pools(W).run(job):
+        assert not problems, problems
+        assert healthy
+
+
 def _expect(exc_type, call, *needles):
     """Run ``call``; return None if it raised ``exc_type`` with every needle in the message, else a complaint."""
     try:
@@ -141,9 +148,7 @@ def aliasing_refused(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_overlapping_outputs_are_refused_before_traffic(pools):
-    for problems, healthy in pools(W).run(aliasing_refused):
-        assert not problems, problems
-        assert healthy
+    _assert_every_rank_ok(pools, aliasing_refused)
 
 
 # ---------------------------------------------------------------------------- requires_grad
@@ -179,9 +184,7 @@ def grad_tensors(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_requires_grad_tensors_are_accepted_like_torch(pools):
-    for problems, healthy in pools(W).run(grad_tensors):
-        assert not problems, problems
-        assert healthy
+    _assert_every_rank_ok(pools, grad_tensors)
 
 
 # ---------------------------------------------------------------------------- layouts and huge views
@@ -218,9 +221,7 @@ def layouts(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_unsupported_layouts_and_huge_views_raise_clearly(pools):
-    for problems, healthy in pools(W).run(layouts):
-        assert not problems, problems
-        assert healthy
+    _assert_every_rank_ok(pools, layouts)
 
 
 # ---------------------------------------------------------------------------- threads

@@ -186,6 +186,11 @@ def bad_calls(rank, world_size, lib):
         "float_tag": lambda: dist.isend(t, dst=other, tag=1.5),
         "recv_self": lambda: dist.recv(t, src=rank),
     }
+    return error_kinds(calls)
+
+
+def error_kinds(calls: dict) -> dict[str, str]:
+    """Run each call; the name of the exception it raised, or ``"no error"``."""
     kinds = {}
     for key, call in calls.items():
         try:

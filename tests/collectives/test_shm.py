@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 import collectives
 from collectives.testing import WorkerPool, assert_matches_reference, cases
 from collectives.transport.shm import ShmConfig, ShmUnavailableError
+from tests.collectives.test_faults import process_alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shared memory and /proc")
 
@@ -143,14 +144,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _run_script(tmp_path, text: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text(text)
@@ -187,7 +180,7 @@ def test_rank_killed_or_stopped_mid_collective(tmp_path, sig):
     pids = [int(p.name) for p in piddir.iterdir()]
     assert len(pids) == 3
     time.sleep(0.5)
-    assert not [p for p in pids if _alive(p)], "rank processes outlived the launcher"
+    assert not [p for p in pids if process_alive(p)], "rank processes outlived the launcher"
     assert _shm_files() <= before, "segments left in /dev/shm"
 
 
