@@ -307,7 +307,7 @@ class AlgorithmEngine:
 class TorchEngine:
     """torch.distributed's built-in collectives on a process group (the reference backend).
 
-    gloo has no AVG, so AVG runs as SUM followed by one division, exactly as we define AVG.
+    AVG runs as SUM followed by one division, exactly as we define AVG, so it rounds as ours does.
     """
 
     def __init__(self, process_group: dist.ProcessGroup, timeout: float):
@@ -344,7 +344,7 @@ class TorchEngine:
         dist.all_gather(list(outs), inp, group=self.pg)
 
     def reduce_scatter(self, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
-        # gloo implements neither reduce_scatter nor AVG: all-reduce a copy, keep our chunk.
+        # All-reduce a concatenated copy and keep our chunk: one path for every list form and for AVG.
         full = torch.cat(list(ins))
         dist.all_reduce(full, self._reduce_op(op), group=self.pg)
         m = out.numel()
