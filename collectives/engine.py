@@ -5,7 +5,8 @@
 * :class:`AlgorithmEngine` — our algorithms (``ring.py``, ``tree.py``, ``direct.py``) over any
   :class:`~collectives.transport.base.Transport`. It also picks the algorithm by message size,
   and when the transport has shared regions (``shm``) runs ``auto`` all-reduce, broadcast,
-  all-gather and reduce-scatter by direct reads of the peers' regions (``shm_algorithms.py``).
+  all-gather, reduce-scatter, scatter, gather and all-to-all by direct reads of the peers'
+  regions (``shm_algorithms.py``).
   A backend that supplies only a transport (``register_backend(..., make_transport=...)``) gets
   this engine.
 * :class:`TorchEngine` — torch's own collectives on the same process group: the reference
@@ -281,13 +282,27 @@ class AlgorithmEngine:
         out.copy_(work[r * m : (r + 1) * m])
         finish(op, out, n)
 
+    def _slotted_regions(self) -> SharedRegions | None:
+        """The shared regions if their halves hold a slot per peer (scatter, gather, all-to-all)."""
+        regions = self._regions()
+        return regions if regions is not None and shm_algorithms.fits_slots(regions) else None
+
     def scatter(self, out: torch.Tensor, pieces: Sequence[torch.Tensor] | None, src: int) -> None:
+        if (regions := self._slotted_regions()) is not None:
+            shm_algorithms.scatter(regions, out, pieces, src)
+            return
         direct.scatter(self.transport, out, pieces, src)
 
     def gather(self, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int) -> None:
+        if (regions := self._slotted_regions()) is not None:
+            shm_algorithms.gather(regions, inp, outs, dst)
+            return
         direct.gather(self.transport, inp, outs, dst)
 
     def all_to_all(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
+        if (regions := self._slotted_regions()) is not None:
+            shm_algorithms.all_to_all(regions, outs, ins)
+            return
         direct.all_to_all(self.transport, outs, ins)
 
     def barrier(self) -> None:

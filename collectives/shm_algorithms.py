@@ -49,6 +49,7 @@ from typing import Sequence
 
 import torch
 
+from .errors import CollectiveError
 from .ops import ReduceOp, combine, finish
 from .ring import balanced_bounds
 from .transport.base import SharedRegions
@@ -159,3 +160,142 @@ def broadcast(regions: SharedRegions, buf: torch.Tensor, src: int) -> None:
         if r != src:
             buf[lo:hi].copy_(regions.view(src, h, buf.dtype, hi - lo))
         regions.end_piece()
+
+
+#: the widest element of any dtype: slot offsets are multiples of it (a cache line when there is room).
+_ELEMENT_ALIGN = 16
+
+
+def fits_slots(regions: SharedRegions) -> bool:
+    """A half holds one slot per peer of at least one element, plus the all-to-all header.
+
+    Scatter, gather and all-to-all divide a half into per-peer slots; a group whose regions are
+    too small for that (``RINGDDP_SHM_REGION_BYTES`` tiny, many ranks) uses the messages instead.
+    The answer depends only on the group, so every rank chooses alike.
+    """
+    n = regions.world_size
+    return regions.piece_bytes - _header_bytes(n) >= _ELEMENT_ALIGN * (n - 1)
+
+
+def _header_bytes(n: int) -> int:
+    """The all-to-all header: ``n`` send counts and ``n`` receive counts (int64)."""
+    return 2 * n * 8
+
+
+def _slot_bytes(space: int, count: int) -> int:
+    """Bytes of each of ``count`` slots in ``space``: aligned to a cache line, or 16 if tiny."""
+    per = space // count
+    return per - per % (64 if per >= 64 else _ELEMENT_ALIGN)
+
+
+def _slot(regions: SharedRegions, q: int, h: int, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at byte ``offset`` of rank ``q``'s half ``h``."""
+    return regions.view(q, h, torch.uint8, offset + numel * dtype.itemsize)[offset:].view(dtype)
+
+
+def _at_least_one(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """An empty buffer still runs one (empty) piece: its step compares the ranks' signatures."""
+    return pieces or [(0, 0)]
+
+
+def scatter(regions: SharedRegions, out: torch.Tensor, pieces: Sequence[torch.Tensor] | None, src: int) -> None:
+    """Rank ``src`` hands ``pieces[q]`` (each of ``out``'s size) to rank ``q``'s ``out``.
+
+    The root's half holds one slot per peer; ``pieces`` is None off the root.
+    """
+    n, r, m, dtype = regions.world_size, regions.rank, out.numel(), out.dtype
+    peers = [q for q in range(n) if q != src]
+    slot = _slot_bytes(regions.piece_bytes, n - 1)
+    signature = _signature("scatter", m, dtype, src)
+    for lo, hi in _at_least_one(_pieces(m, slot // out.element_size())):
+        h = regions.begin_piece(signature)
+        if r == src:
+            assert pieces is not None
+            for i, q in enumerate(peers):
+                _slot(regions, r, h, i * slot, dtype, hi - lo).copy_(pieces[q][lo:hi])
+        regions.step(range(n))
+        if r != src:
+            out[lo:hi].copy_(_slot(regions, src, h, peers.index(r) * slot, dtype, hi - lo))
+        regions.end_piece()
+    if r == src:  # while the peers copy out the last piece
+        assert pieces is not None
+        out.copy_(pieces[src])
+
+
+def gather(regions: SharedRegions, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int) -> None:
+    """Rank ``dst`` gets every rank's ``inp`` in ``outs[q]``; ``outs`` is None off the root."""
+    n, r, m, dtype = regions.world_size, regions.rank, inp.numel(), inp.dtype
+    signature = _signature("gather", m, dtype, dst)
+    for lo, hi in _at_least_one(_pieces(m, regions.piece_bytes // inp.element_size())):
+        h = regions.begin_piece(signature)
+        if r != dst:
+            regions.view(r, h, dtype, hi - lo).copy_(inp[lo:hi])
+        regions.step(range(n))
+        if r == dst:
+            assert outs is not None
+            for q in range(n):
+                if q != dst:
+                    outs[q][lo:hi].copy_(regions.view(q, h, dtype, hi - lo))
+        regions.end_piece()
+    if r == dst:
+        assert outs is not None
+        outs[dst].copy_(inp)
+
+
+def all_to_all(regions: SharedRegions, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
+    """Rank ``r`` sends ``ins[j]`` to rank ``j`` and receives rank ``j``'s into ``outs[j]``.
+
+    Sizes may differ between pairs, so no rank knows how many pieces the call takes until it has
+    read every rank's header: piece 0 carries, after the slots, each rank's element counts to
+    and from every peer. All ranks read the same headers, so they agree on the piece count and,
+    when two counts disagree, all raise :class:`~collectives.errors.CollectiveError`.
+    """
+    n, r, dtype = regions.world_size, regions.rank, ins[0].dtype
+    header = regions.piece_bytes - _header_bytes(n)
+    slot = _slot_bytes(header, n - 1)
+    per_piece = slot // dtype.itemsize
+    signature = _signature("all_to_all", -1, dtype)
+
+    def where(q: int, j: int) -> int:
+        """Byte offset of rank ``q``'s slot for rank ``j`` (no slot for itself)."""
+        return (j if j < q else j - 1) * slot
+
+    count, p = 1, 0
+    while p < count:
+        lo = p * per_piece
+        h = regions.begin_piece(signature)
+        if p == 0:
+            sizes = [t.numel() for t in ins] + [t.numel() for t in outs]
+            _slot(regions, r, h, header, torch.int64, 2 * n).copy_(torch.tensor(sizes, dtype=torch.int64))
+        for j in range(n):
+            hi = min(ins[j].numel(), lo + per_piece)
+            if j != r and hi > lo:
+                _slot(regions, r, h, where(r, j), dtype, hi - lo).copy_(ins[j][lo:hi])
+        regions.step(range(n))
+        if p == 0:
+            count = _agree_on_pieces(regions, h, header, per_piece)
+        for j in range(n):
+            hi = min(outs[j].numel(), lo + per_piece)
+            if j != r and hi > lo:
+                outs[j][lo:hi].copy_(_slot(regions, j, h, where(j, r), dtype, hi - lo))
+        regions.end_piece()
+        p += 1
+    outs[r].copy_(ins[r])
+
+
+def _agree_on_pieces(regions: SharedRegions, h: int, header: int, per_piece: int) -> int:
+    """Check every rank's all-to-all header against its peers'; the pieces the call takes."""
+    n, r = regions.world_size, regions.rank
+    table = [_slot(regions, q, h, header, torch.int64, 2 * n).tolist() for q in range(n)]
+    for q in range(n):
+        for j in range(n):
+            sends, expected = table[q][j], table[j][n + q]
+            if j != q and sends != expected:
+                raise CollectiveError(
+                    f"{regions.op}: rank {q} sends {sends} elements to rank {j}, which expects {expected} "
+                    f"(this is rank {r}): every rank must make the same calls with matching sizes",
+                    op=regions.op,
+                    peer=j if q == r else q,
+                )
+    most = max(table[q][j] for q in range(n) for j in range(n) if j != q)
+    return max(1, -(-most // per_piece))

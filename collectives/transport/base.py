@@ -143,6 +143,8 @@ class SharedRegions(abc.ABC):
     world_size: int
     #: bytes of one half (the largest piece).
     piece_bytes: int
+    #: the collective running, for error messages (the transport's :attr:`Transport.op`).
+    op: str
 
     @abc.abstractmethod
     def begin_piece(self, signature: int) -> int:

@@ -117,6 +117,73 @@ def test_tensors_larger_than_region_and_fifo(shm_pools, world_size):
         assert all(result), (rank, result)
 
 
+def _values(numel: int, dtype: torch.dtype, *salt: int) -> torch.Tensor:
+    """Values that differ by position and by ``salt`` (sender, receiver)."""
+    x = (torch.arange(numel) * 7 + sum(s * 31 ** (i + 1) for i, s in enumerate(salt))) % 11
+    return (x % 2).to(dtype) if dtype == torch.bool else x.to(dtype)
+
+
+def _columns(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same values as non-contiguous views (columns of one matrix)."""
+    grid = torch.stack(pieces, dim=1)
+    return [grid[:, q] for q in range(len(pieces))]
+
+
+SLOTTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.bool)
+
+
+def slotted_collectives(rank: int, world_size: int, numels: tuple[int, ...]) -> list[str]:
+    """Scatter, gather and all-to-all through the regions' per-peer slots; the failures, named.
+
+    Non-contiguous inputs and outputs, every root, uneven all-to-all with some empty pairs.
+    """
+    n, failures = world_size, []
+    for numel in numels:
+        for dtype in SLOTTED_DTYPES:
+            root = (numel + SLOTTED_DTYPES.index(dtype)) % n
+            case = f"numel {numel} {dtype} root {root}"
+            out = torch.zeros(2 * numel, dtype=dtype)[::2]
+            pieces = _columns([_values(numel, dtype, root, q) for q in range(n)])
+            collectives.scatter(out, pieces if rank == root else None, src=root)
+            if not torch.equal(out, _values(numel, dtype, root, rank)):
+                failures.append(f"scatter {case}")
+            outs = _columns([torch.zeros(numel, dtype=dtype)] * n) if rank == root else None
+            collectives.gather(_columns([_values(numel, dtype, rank)] * 2)[1], outs, dst=root)
+            if outs is not None and not all(torch.equal(outs[q], _values(numel, dtype, q)) for q in range(n)):
+                failures.append(f"gather {case}")
+
+            def size(q: int, j: int) -> int:  # elements rank q sends to rank j
+                return 0 if (q + j) % 4 == 3 else numel * (1 + q + 2 * j) // (2 * n) + j
+
+            ins = [_values(size(rank, j), dtype, rank, j) for j in range(n)]
+            received = [torch.zeros(size(j, rank), dtype=dtype) for j in range(n)]
+            collectives.all_to_all(received, ins)
+            if not all(torch.equal(received[j], _values(size(j, rank), dtype, j, rank)) for j in range(n)):
+                failures.append(f"all_to_all {case}")
+            single = torch.zeros(n * numel, dtype=dtype)
+            collectives.all_to_all_single(single, torch.cat([_values(numel, dtype, rank, j) for j in range(n)]))
+            if not torch.equal(single, torch.cat([_values(numel, dtype, j, rank) for j in range(n)])):
+                failures.append(f"all_to_all_single {case}")
+    return failures
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_scatter_gather_all_to_all_through_region_slots(shm_pools, world_size):
+    """1 KiB halves: pieces of a few dozen elements alternate between the halves many times."""
+    pool = shm_pools(world_size, slot_bytes=128, slots=2, region_bytes=2048)
+    for rank, failures in enumerate(pool.run(slotted_collectives, (0, 1, 5, 63, 64, 65, 1001))):
+        assert not failures, (rank, failures)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_scatter_gather_all_to_all_larger_than_a_half(shm_pools, world_size):
+    pool = shm_pools(world_size, slot_bytes=64 << 10, slots=2, region_bytes=1 << 20)
+    for rank, failures in enumerate(pool.run(slotted_collectives, (3 * 2**16 + 5,))):
+        assert not failures, (rank, failures)
+
+
 FAULT_SCRIPT = """
 import os, signal, sys, threading, time
 import torch
@@ -293,6 +360,57 @@ def mismatched_sizes(rank: int, world_size: int, numel: int) -> tuple[str, str |
 def test_mismatched_calls_raise_instead_of_a_silent_answer(numel):
     results = collectives.launch(mismatched_sizes, 2, numel, backend="shm", timeout=20.0, join_timeout=60)
     assert results == [("error", "all_reduce", True)] * 2, results
+
+
+def mismatched_slotted_calls(rank: int, world_size: int) -> dict[str, tuple[str, str | None, bool]]:
+    """Calls that disagree between ranks, each on a fresh group: what every rank saw."""
+    n = world_size
+
+    def all_to_all(sends: list[int], recvs: list[int]) -> None:
+        collectives.all_to_all([torch.zeros(k) for k in recvs], [torch.ones(k) for k in sends], group=g)
+
+    calls = {
+        "scatter 8 vs 9 elements": lambda: collectives.scatter(
+            torch.zeros(8 + (rank == 1)), [torch.ones(8)] * n if rank == 0 else None, src=0, group=g
+        ),
+        "scatter roots 0 vs 1": lambda: collectives.scatter(
+            torch.zeros(8), [torch.ones(8)] * n if rank < 2 else None, src=min(rank, 1), group=g
+        ),
+        "gather 8 vs 9 elements": lambda: collectives.gather(
+            torch.ones(8 + (rank == 1)), [torch.zeros(8) for _ in range(n)] if rank == 0 else None, dst=0, group=g
+        ),
+        # rank 0 sends 5 elements to rank 1, which expects 4; rank 2 (if any) agrees with both
+        "all_to_all sizes": lambda: all_to_all([1, 5, 2][:n] if rank == 0 else [5, 1, 2][:n] if rank == 1 else [2] * n,
+                                               [1, 5, 2][:n] if rank == 0 else [4, 1, 2][:n] if rank == 1 else [2] * n),
+        "all_to_all vs gather": lambda: all_to_all([8] * n, [8] * n) if rank == 0 else collectives.gather(
+            torch.ones(8), None, dst=0, group=g
+        ),
+    }
+    seen = {}
+    for name, call in calls.items():
+        g = collectives.new_group(backend="shm", timeout=20.0)
+        start = time.monotonic()
+        try:
+            call()
+            seen[name] = ("no error", None, False)
+        except collectives.CollectiveError as exc:
+            fast = not isinstance(exc, collectives.CollectiveTimeoutError) and time.monotonic() - start < 5.0
+            seen[name] = ("error", exc.op, fast)
+        g.close()
+    return seen
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mismatched_scatter_gather_all_to_all_raise_on_every_rank(world_size):
+    import logging
+
+    logging.getLogger("collectives.group").setLevel(logging.CRITICAL)
+    results = collectives.launch(mismatched_slotted_calls, world_size, backend="shm", timeout=20.0, join_timeout=120)
+    for rank, seen in enumerate(results):
+        for name, (kind, op, fast) in seen.items():
+            assert kind == "error" and fast, (rank, name, kind, op)
+            assert op in ("scatter", "gather", "all_to_all"), (rank, name, op)
 
 
 @pytest.mark.timeout(180)
