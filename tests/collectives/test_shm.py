@@ -376,6 +376,8 @@ def mismatched_slotted_calls(rank: int, world_size: int) -> dict[str, tuple[str,
         "scatter roots 0 vs 1": lambda: collectives.scatter(
             torch.zeros(8), [torch.ones(8)] * n if rank < 2 else None, src=min(rank, 1), group=g
         ),
+        "broadcast roots 0 vs 1": lambda: collectives.broadcast(torch.ones(8), src=min(rank, 1), group=g),
+        "broadcast 8 vs 9 elements": lambda: collectives.broadcast(torch.ones(8 + (rank == 1)), src=0, group=g),
         "gather 8 vs 9 elements": lambda: collectives.gather(
             torch.ones(8 + (rank == 1)), [torch.zeros(8) for _ in range(n)] if rank == 0 else None, dst=0, group=g
         ),
@@ -402,7 +404,7 @@ def mismatched_slotted_calls(rank: int, world_size: int) -> dict[str, tuple[str,
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_mismatched_scatter_gather_all_to_all_raise_on_every_rank(world_size):
+def test_mismatched_one_to_many_calls_raise_on_every_rank(world_size):
     import logging
 
     logging.getLogger("collectives.group").setLevel(logging.CRITICAL)
@@ -410,7 +412,7 @@ def test_mismatched_scatter_gather_all_to_all_raise_on_every_rank(world_size):
     for rank, seen in enumerate(results):
         for name, (kind, op, fast) in seen.items():
             assert kind == "error" and fast, (rank, name, kind, op)
-            assert op in ("scatter", "gather", "all_to_all"), (rank, name, op)
+            assert op in ("broadcast", "scatter", "gather", "all_to_all"), (rank, name, op)
 
 
 @pytest.mark.timeout(180)
