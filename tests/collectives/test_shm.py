@@ -2,7 +2,8 @@
 
 The ranks' default group runs over ``shm`` (``WorkerPool(n, backend="shm")``), so the property
 cases exercise both the transport's messages (algorithms written against send/recv) and
-the shared-region algorithms (``auto`` all-reduce, broadcast, all-gather, reduce-scatter).
+the shared-region algorithms (``auto`` all-reduce, broadcast, all-gather, reduce-scatter,
+scatter, gather, all-to-all).
 """
 
 from __future__ import annotations
