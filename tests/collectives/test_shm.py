@@ -379,6 +379,13 @@ def mismatched_slotted_calls(rank: int, world_size: int) -> dict[str, tuple[str,
         ),
         "broadcast roots 0 vs 1": lambda: collectives.broadcast(torch.ones(8), src=min(rank, 1), group=g),
         "broadcast 8 vs 9 elements": lambda: collectives.broadcast(torch.ones(8 + (rank == 1)), src=0, group=g),
+        # several pieces, and a different number of them on each rank
+        "scatter 2^16 vs 2^19 elements": lambda: collectives.scatter(
+            torch.zeros(1 << (16 + 3 * (rank == 1))), [torch.ones(1 << 16)] * n if rank == 0 else None, src=0, group=g
+        ),
+        "gather 2^16 vs 2^19 elements": lambda: collectives.gather(
+            torch.ones(1 << (16 + 3 * (rank == 1))), [torch.zeros(1 << 16) for _ in range(n)] if rank == 0 else None, dst=0, group=g
+        ),
         "gather 8 vs 9 elements": lambda: collectives.gather(
             torch.ones(8 + (rank == 1)), [torch.zeros(8) for _ in range(n)] if rank == 0 else None, dst=0, group=g
         ),
