@@ -77,12 +77,14 @@ class LinkSpec:
         if words[:1] == ["netem"]:
             words = words[1:]
         values: dict[str, float | int] = {}
-        if len(words) % 2:
-            raise ValueError(f"link {spec!r}: {words[-1]!r} needs a value; the userspace emulator supports {SUPPORTED}")
-        for key, text in zip(words[::2], words[1::2]):
+        for i in range(0, len(words), 2):
+            key = words[i]
             if key in values or key not in ("delay", "rate", "limit"):
                 raise ValueError(f"link {spec!r}: {key!r} is {'repeated' if key in values else 'not supported'}; "
                                  f"the userspace emulator supports {SUPPORTED}")
+            if i + 1 == len(words):
+                raise ValueError(f"link {spec!r}: {key!r} needs a value; the userspace emulator supports {SUPPORTED}")
+            text = words[i + 1]
             m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)([a-z]*)", text.lower())
             units = {"delay": _TIME_UNITS, "rate": _RATE_UNITS, "limit": {"": 1}}[key]
             if not m or m.group(2) not in units or (key == "rate" and float(m.group(1)) == 0):
