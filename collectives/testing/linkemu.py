@@ -24,9 +24,13 @@ handles a few thousand packets per second at 1 Gbit/s instead of ~80 000 at 1500
 is granularity: a 64 KB segment takes 0.52 ms to serialise at 1 Gbit/s, and it arrives whole.
 
 Cost: the forwarder is one Python process on the same cores as the ranks; it sleeps in ``select``
-when idle and spends a few microseconds of CPU per packet (plus the kernel's copies) when busy.
-On the 2-core development VM it forwards several hundred MB/s of bulk TCP with no rate set (see
-docs/multinode.md), well above the 125 MB/s of a 1 Gbit/s link.
+when idle and costs tens of microseconds of CPU per packet when busy (with the kernel's copies and
+the receiving host's TCP work, which runs in its ``write``). On the 2-core development VM, loaded,
+it forwarded 370-700 MB/s of bulk TCP with no rate set and used about 0.2 of a core to carry a
+saturated 1 Gbit/s link (docs/multinode.md), so 1 Gbit/s (125 MB/s) is well within reach. It runs
+at real-time priority (``SCHED_FIFO`` 1, where allowed) so that it preempts busy ranks when a
+packet is due, as the kernel's softirq would: without that, a loaded machine delays deliveries by
+whole scheduler time slices (round trips of 1 ms links with a 30 ms tail).
 
 It runs as a standalone script (``python linkemu.py``, not ``-m``) so it imports only the standard
 library: importing the ``collectives`` package would load torch (seconds, hundreds of MB).
@@ -164,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=1000, help="packets waiting per link")
     args = p.parse_args(argv)
     _die_with_parent()
+    try:  # preempt the ranks when a packet is due, as the kernel's softirq would (RT throttling still applies)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except PermissionError:  # without CAP_SYS_NICE: ordinary priority, so deliveries may be late on a busy host
+        pass
     fds = [open_tun(name) for name in args.names.split(",")]
     print("ready", flush=True)
     forward(fds, args.addresses.split(","), LinkSpec(args.delay, args.rate or None, args.limit))
