@@ -49,7 +49,6 @@ import select
 import signal
 import socket
 import struct
-import sys
 import time
 
 TUNSETIFF = 0x400454CA

@@ -115,7 +115,8 @@ def all_reduce_until_error(rank: int, world_size: int, marker_dir: str) -> tuple
 
 
 @pytest.mark.timeout(90)
-def test_link_down_mid_all_reduce_raises_everywhere(tmp_path):
+@pytest.mark.parametrize("link", [None, "netem delay 1ms"])  # a veth; a TUN device (where netem is emulated)
+def test_link_down_mid_all_reduce_raises_everywhere(tmp_path, link):
     timeout = 5.0
 
     def cut(net: HostNet) -> None:
@@ -124,7 +125,7 @@ def test_link_down_mid_all_reduce_raises_everywhere(tmp_path):
         time.sleep(0.2)
         net.set_link(1, up=False)
 
-    with HostNet(hosts=2) as net:
+    with HostNet(hosts=2, link=link) as net:
         threading.Thread(target=cut, args=(net,), daemon=True).start()
         started = time.monotonic()
         results = net.launch(all_reduce_until_error, 2, str(tmp_path), timeout=timeout, join_timeout=60)
