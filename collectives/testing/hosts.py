@@ -59,6 +59,7 @@ SUBNET = "198.18.0"  # host i is SUBNET.(i + 1)/24
 PORT = 29500  # free by construction: host 0's namespace is ours
 EMULATORS = ("auto", "tc", "user")
 TUN_MTU = 65000  # the userspace emulator's eth0: few, large packets keep the Python forwarder cheap
+FORWARDER = linkemu.__file__  # run as a script: the forwarder imports no torch
 FORWARDER_START_S = 10.0
 _counter = itertools.count()
 _live: set["HostNet"] = set()
@@ -218,17 +219,23 @@ class HostNet:
 
     def _start_forwarder(self) -> None:
         """Start :mod:`~collectives.testing.linkemu` in the bridge's namespace; wait until its TUN devices exist."""
-        argv = [sys.executable, "-I", linkemu.__file__, "--names", ",".join(f"t{i}" for i in range(self.hosts)),
+        argv = [sys.executable, "-I", FORWARDER, "--names", ",".join(f"t{i}" for i in range(self.hosts)),
                 "--addresses", ",".join(map(self.address, range(self.hosts))), *self.emulated.argv()]
         output = tempfile.TemporaryFile()
         proc = self._popen(self.bridge_ns, argv, stdout=subprocess.PIPE, stderr=output)
-        ready = select.select([proc.stdout], [], [], FORWARDER_START_S)[0] and proc.stdout.readline() == b"ready\n"
+        line = proc.stdout.readline() if select.select([proc.stdout], [], [], FORWARDER_START_S)[0] else None
         proc.stdout.close()
-        if not ready:
-            proc.kill()
+        if line != b"ready\n":
+            if line is None:
+                proc.kill()
+            try:
+                code = proc.wait(timeout=5)  # it is exiting: EOF before "ready"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            why = f"did not start within {FORWARDER_START_S:.0f} s" if line is None else f"exited with code {code}"
             with output:
-                raise HostNetError(f"the userspace link emulator did not start within {FORWARDER_START_S:.0f} s "
-                                   f"(exit code {proc.wait()}): {_tail(output)}")
+                raise HostNetError(f"the userspace link emulator {why}: {_tail(output)}")
         self._forwarder, self._forwarder_log = proc, output
 
     def shape(self, host: int, spec: str) -> None:

@@ -165,6 +165,20 @@ def test_all_reduce_over_the_emulated_link():
             assert torch.equal(got, w), (rank, numel, algorithm)
 
 
+@pytest.mark.hosts
+@hosts
+@pytest.mark.timeout(30)
+def test_a_forwarder_that_fails_to_start_is_reported(tmp_path, monkeypatch):
+    from collectives.testing import hosts as hosts_module
+
+    script = tmp_path / "broken.py"
+    script.write_text("import sys\nprint('no TUN for you', file=sys.stderr)\nsys.exit(3)\n")
+    monkeypatch.setattr(hosts_module, "FORWARDER", str(script))
+    with pytest.raises(hosts_module.HostNetError, match="exited with code 3: no TUN for you"):
+        with HostNet(2, "netem delay 1ms", emulator="user"):
+            pass
+
+
 HOLDER = """
 import sys, time
 from collectives.testing.hosts import HostNet
