@@ -25,7 +25,8 @@ without ``CONFIG_NET_SCH_NETEM``), a netem link is emulated in userspace instead
 each host's ``eth0`` is then a TUN device and :mod:`collectives.testing.linkemu` (one Python process,
 on the same cores as the ranks) forwards the packets between hosts with netem's ``delay``, ``rate``
 and ``limit`` (nothing else; other keywords raise ValueError). ``emulator="user"`` forces it,
-``"tc"`` forbids it; :func:`link_unavailable` says whether a spec can be had either way.
+``"tc"`` forbids it; :func:`link_unavailable` says whether a spec can be had either way. The
+emulator needs ``/dev/net/tun``; it dies with the process that made the :class:`HostNet`.
 
 Note: every namespace of one machine still shares ``/dev/shm`` and the file system. Host identity
 for topology therefore includes the network namespace (:func:`collectives.group.host_key`):
@@ -249,7 +250,7 @@ class HostNet:
             raise HostNetError(f"tc qdisc {spec!r} on host {host}: {done.stderr.strip()}{hint}")
 
     def set_link(self, host: int, up: bool) -> None:
-        """Take ``host``'s network link down (or up again): its eth0 and its port on the bridge."""
+        """Take ``host``'s network link down (or up again): its eth0 and its port on the bridge (if bridged)."""
         state = "up" if up else "down"
         _ip("-n", self.namespaces[host], "link", "set", "eth0", state)
         if self.emulated is None:
