@@ -155,11 +155,13 @@ def sums(rank: int, world_size: int) -> list[torch.Tensor]:
 @pytest.mark.hosts
 @hosts
 @pytest.mark.timeout(120)
-def test_all_reduce_over_the_emulated_link():
-    with HostNet(2, "netem delay 1ms rate 1gbit", emulator="user") as net:
-        results = net.launch(sums, 2, timeout=30, join_timeout=100)
-    want = [torch.arange(numel, dtype=torch.float32) * (1 + 2 + 3 + 4) for numel in SIZES for _ in ALGORITHMS]
-    for rank in range(4):
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (3, 1)])  # 3 hosts: packets routed among 3 devices
+def test_all_reduce_over_the_emulated_link(hosts, per_host):
+    n = hosts * per_host
+    with HostNet(hosts, "netem delay 1ms rate 1gbit", emulator="user") as net:
+        results = net.launch(sums, per_host, timeout=30, join_timeout=100)
+    want = [torch.arange(numel, dtype=torch.float32) * sum(range(1, n + 1)) for numel in SIZES for _ in ALGORITHMS]
+    for rank in range(n):
         assert len(results[rank]) == len(want)
         for got, w, (numel, algorithm) in zip(results[rank], want, [(n, a) for n in SIZES for a in ALGORITHMS]):
             assert torch.equal(got, w), (rank, numel, algorithm)
