@@ -394,7 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=0,
                    help="run the ranks on this many emulated hosts (network namespaces; needs root), "
                         "world size / hosts ranks on each")
-    p.add_argument("--netem", help="with --hosts: tc netem on every host's link, e.g. 'delay 1ms rate 1gbit'")
+    p.add_argument("--netem", help="with --hosts: netem on every host's link, e.g. 'delay 1ms rate 1gbit' (emulated "
+                                    "in userspace where the kernel has no netem: delay, rate and limit only)")
+    p.add_argument("--emulator", default="auto", choices=("auto", "tc", "user"),
+                   help="with --netem: the kernel's qdisc (tc), the userspace emulator (user), or tc where it exists")
     p.add_argument("--tbf", help="with --hosts: tc tbf on every host's link, e.g. 'rate 1gbit burst 256kb latency 50ms'")
     p.add_argument("--check-cost", action="store_true",
                    help="also time ours with RINGDDP_DEBUG=OFF (interleaved) and print the wire check's cost")
@@ -424,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts:
         from .testing.hosts import link_unavailable, unavailable
 
-        reason = unavailable() or (link_unavailable(link) if link else None)
+        reason = unavailable() or (link_unavailable(link, args.emulator) if link else None)
         if reason or any(n % args.hosts for n in world_sizes):
             p.error(reason or f"--hosts {args.hosts}: every world size must be a multiple of it")
     if args.shm and (device_type_of(args.backend) != "cpu" or args.hosts):
@@ -434,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in world_sizes:
         job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
                args.model, args.check_cost, args.shm)
-        result = _run_hosts(args.hosts, link, n, job) if args.hosts else launch(
+        result = _run_hosts(args.hosts, link, args.emulator, n, job) if args.hosts else launch(
             job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
             print(format_row(r, args.cpu, args.check_cost, args.shm))
@@ -448,11 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
-def _run_hosts(hosts: int, link: str | None, n: int, job: tuple) -> list[dict]:
+def _run_hosts(hosts: int, link: str | None, emulator: str, n: int, job: tuple) -> list[dict]:
     """Rank 0's rows of ``job`` run on ``hosts`` emulated hosts, ``n / hosts`` ranks on each."""
     from .testing.hosts import HostNet
 
-    with HostNet(hosts, link) as net:
+    with HostNet(hosts, link, emulator) as net:
         return net.launch(job[0], n // hosts, *job[1:], backend=job[6], join_timeout=3600)[0]
 
 
