@@ -35,11 +35,13 @@ import dataclasses
 import importlib
 import logging
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .engine import AlgorithmEngine, Engine, TorchEngine
+from .hierarchical import HostTransport
 from .topology import Layout
 from .transport.base import Transport
 from .transport.shm import ShmTransport
@@ -73,7 +75,8 @@ class Backend:
         """The engine of ``group`` on ``device``."""
         if self.make_transport is not None:
             layout = Layout.from_keys(group.hosts)
-            return AlgorithmEngine(self.make_transport(group, device), group.tuning, device, layout)
+            host = _shm_host_transport(group) if device.type == "cpu" and layout.spans_hosts else None
+            return AlgorithmEngine(self.make_transport(group, device), group.tuning, device, layout, host)
         engine = self.make_engine(group, device)
         if not isinstance(engine, Engine):
             raise TypeError(
@@ -268,6 +271,22 @@ def describe_backends() -> str:
         alias = f" (alias {', '.join(b.aliases)})" if b.aliases else ""
         lines.append(f"{b.name} [{'/'.join(b.device_types)}]{alias}: {b.description}")
     return "; ".join(lines)
+
+
+def _shm_host_transport(group: Group) -> HostTransport:
+    """Shared memory among the ranks of one host, for the intra-host phases of the hierarchical
+    collectives of a CPU group that spans hosts.
+
+    Each host's ranks meet on a store of their own (``hier/<host>/`` inside the group's). If
+    they cannot share memory (the check and the fallback are agreed by all of them), they log a
+    warning and use ``fallback``: the view of the group's transport.
+    """
+
+    def make(host: int, members: Sequence[int], fallback: Callable[[], Transport]) -> Transport:
+        store = dist.PrefixStore(f"hier/{host}/", group.store)
+        return ShmTransport(list(members).index(group.rank()), len(members), group.timeout, store, fallback=fallback)
+
+    return make
 
 
 # ---------------------------------------------------------------------------- built-in backends

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import threading
@@ -15,6 +16,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import collectives
 from collectives.group import get_default_group
@@ -100,6 +102,75 @@ def test_layout_from_namespaces():
     with HostNet(hosts=2) as net:
         results = net.launch(layout_and_choice, 2, timeout=20)
     assert results == [(((0, 1), (2, 3)), 2, 2, 4.0)] * 4
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def hierarchical_against_torch(rank: int, world_size: int, sizes: list[int]) -> dict:
+    """Our hierarchical collectives next to torch's on the same inputs, and what the intra-host
+    phases ran over. Inputs are small integers, so every sum is exact whatever torch's order."""
+    records = _Records()
+    logging.getLogger("collectives").addHandler(records)
+    get_default_group().tuning.small_bytes = 64  # all_gather / reduce_scatter go hierarchical too
+    n, checks = world_size, {}
+    for numel in sizes:
+        x = torch.randint(-4, 5, (numel,), generator=torch.Generator().manual_seed(1000 * rank + numel)).float()
+        for op, ref_op in ((ReduceOp.SUM, dist.ReduceOp.SUM), (ReduceOp.MAX, dist.ReduceOp.MAX),
+                           (ReduceOp.AVG, dist.ReduceOp.SUM)):
+            ours, ref = x.clone(), x.clone()
+            collectives.all_reduce(ours, op, algorithm="hierarchical")
+            dist.all_reduce(ref, op=ref_op)
+            checks[f"all_reduce {op.name} {numel}"] = bitwise_equal(ours, ref / n if op is ReduceOp.AVG else ref)
+        ours, ref = x.clone(), x.clone()
+        collectives.broadcast(ours, n - 1, algorithm="hierarchical")
+        dist.broadcast(ref, n - 1)
+        checks[f"broadcast {numel}"] = bitwise_equal(ours, ref)
+        outs, refs = [torch.empty(numel) for _ in range(n)], [torch.empty(numel) for _ in range(n)]
+        collectives.all_gather(outs, x)
+        dist.all_gather(refs, x)
+        checks[f"all_gather {numel}"] = all(bitwise_equal(o, r) for o, r in zip(outs, refs))
+        ins = [x + i for i in range(n)]
+        ours, ref = torch.empty(numel), torch.empty(numel)
+        collectives.reduce_scatter(ours, ins, ReduceOp.AVG)
+        dist.reduce_scatter(ref, ins)
+        checks[f"reduce_scatter AVG {numel}"] = bitwise_equal(ours, ref / n)
+    intra = get_default_group().engine(torch.device("cpu"), "test").hierarchy().intra
+    logging.getLogger("collectives").removeHandler(records)
+    return {"intra": (type(intra).__name__, intra.shared_regions() is not None), "checks": checks,
+            "warnings": records.messages}
+
+
+SIZES = [0, 1, 5, 1001, 3 * 257]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (2, 3)])
+def test_hierarchical_intra_host_phases_run_over_shared_memory(hosts, per_host):
+    env = {"RINGDDP_SHM_REGION_BYTES": "1024"}  # pieces of 512 bytes: many per call, on chunks of unequal size
+    with HostNet(hosts=hosts) as net:
+        results = net.launch(hierarchical_against_torch, per_host, SIZES, timeout=30, join_timeout=180, env=env)
+    for rank, got in enumerate(results):
+        assert got["intra"] == ("ShmTransport", True), f"rank {rank}: the intra-host phases ran over {got['intra']}"
+        assert not got["warnings"], got["warnings"]
+        assert all(got["checks"].values()), f"rank {rank} differs from torch: {[k for k, ok in got['checks'].items() if not ok]}"
+
+
+@pytest.mark.timeout(120)
+def test_hierarchical_falls_back_to_the_group_transport_without_shared_memory(tmp_path):
+    env = {"RINGDDP_SHM_DIR": str(tmp_path / "missing")}
+    with HostNet(hosts=2) as net:
+        results = net.launch(hierarchical_against_torch, 2, SIZES[:4], timeout=30, join_timeout=100, env=env)
+    for rank, got in enumerate(results):
+        assert got["intra"] == ("ShmTransport", False), f"rank {rank}: {got['intra']}"
+        assert any("falling back" in w and "missing" in w for w in got["warnings"]), (rank, got["warnings"])
+        assert all(got["checks"].values()), f"rank {rank} differs from torch: {[k for k, ok in got['checks'].items() if not ok]}"
 
 
 def all_reduce_until_error(rank: int, world_size: int, marker_dir: str) -> tuple:
