@@ -1,10 +1,10 @@
 """Hierarchical collectives: work inside each host first, cross the network once per host.
 
 When a group spans ``H`` hosts with ``L`` ranks each (``n = H L``), its links are of two kinds:
-inside a host (loopback or shared memory: latency ``α_l``, seconds per byte ``β_l``) and across
-hosts (the network: ``α_n``, ``β_n``, and one network interface shared by the host's ``L`` ranks).
-A flat ring over ranks laid out host by host crosses the network at every host boundary, and
-every one of its ``2(n - 1)`` steps waits for its slowest link, a network one:
+inside a host (shared memory) and across hosts (the network: latency ``α_n``, seconds per byte
+``β_n``, and one network interface shared by the host's ``L`` ranks). A flat ring over ranks laid
+out host by host crosses the network at every host boundary, and every one of its ``2(n - 1)``
+steps waits for its slowest link, a network one:
 
     flat ring all-reduce:   2(n - 1) α_n + 2(n - 1)/n · S β_n
 
@@ -12,35 +12,49 @@ The hierarchical all-reduce (as in NCCL's trees over rings and Horovod's hierarc
 splits the buffer into ``L`` chunks and uses each local rank as a *rail*: local rank ``j`` of
 every host owns chunk ``j``.
 
-1. **Reduce-scatter inside each host** (ring over the ``L`` local ranks): local rank ``j`` ends
-   with chunk ``j`` summed over its host. ``(L - 1) α_l + (L - 1)/L · S β_l``.
-2. **All-reduce along each rail** (the ``H`` ranks with local rank ``j``, one per host), by
-   recursive doubling for small chunks and the ring for large ones; the ``L`` rails run at once
-   and share each host's network interface, which carries ``2(H - 1)/H · S`` bytes in all:
-   ``2(H - 1) α_n + 2(H - 1)/H · S β_n`` (ring).
-3. **All-gather inside each host**: every local rank gets every finished chunk.
-   ``(L - 1) α_l + (L - 1)/L · S β_l``.
+1. **Reduce-scatter inside each host** by direct reads of shared memory
+   (``shm_algorithms.reduce_scatter``): every local rank copies the chunks of the others into its
+   region, and local rank ``j`` combines chunk ``j`` of every region, in local-rank order.
+   ``σ + (2 - 1/L) S γ``: one synchronisation ``σ`` and ``(L - 1)/L · S`` bytes copied plus ``S``
+   combined per rank, at ``γ`` seconds per byte copied.
+2. **All-reduce along each rail** (the ``H`` ranks with local rank ``j``, one per host) over the
+   group's transport, by recursive doubling for small chunks and the ring for large ones; the
+   ``L`` rails run at once and share each host's network interface, which carries
+   ``2(H - 1)/H · S`` bytes in all: ``2(H - 1) α_n + 2(H - 1)/H · S β_n`` (ring).
+3. **All-gather inside each host** by direct reads (``shm_algorithms.all_gather``): local rank
+   ``j`` copies its finished chunk into its region and every other chunk out of its peers'.
+   ``σ + S γ``.
 
 Against the flat ring the network sees ``2(H - 1)`` instead of ``2(n - 1)`` latencies and
 ``(H - 1)/H`` instead of ``(n - 1)/n`` of the bytes per interface (2 hosts × 2 ranks: 2 instead of 6
-network latencies, 0.5 S instead of 0.75 S); the intra-host phases cost memory bandwidth.
+network latencies, 0.5 S instead of 0.75 S), and the intra-host phases cost two synchronisations
+and about three copies of the buffer per rank, instead of ``2(L - 1)`` loopback messages (each
+copied into the kernel and out again, by gloo's I/O threads).
 
-Identical bits on every rank: each element is reduced over its host by one rank (phase 1), then
-across hosts by the rail's algorithm, which is itself bitwise identical on all rail members, and
-afterwards only copied. AVG sums throughout and divides once, by ``n``, after phase 2.
+Identical bits on every rank: each element is reduced over its host by one rank, in one fixed
+order (phase 1), then across hosts by the rail's algorithm, which is itself bitwise identical on
+all rail members, and afterwards only copied. AVG sums throughout and divides once, by ``n``,
+after phase 2.
 
 The same split serves the other collectives (rank-major order: the ``H`` ranks of local rank 0,
 then of local rank 1, ...):
 
 * **all_gather**: ring all-gather along the rails, then inside each host; the network carries
   ``(H - 1)/H · S`` per host instead of ``(n - 1)/n · S``.
-* **reduce_scatter**: ring reduce-scatter inside each host, then along the rails.
+* **reduce_scatter**: reduce-scatter inside each host, then ring reduce-scatter along the rails.
 * **broadcast**: along the root's rail (binomial tree or chain), then inside each host from the
   rail member: each host receives the data once.
 
 These need every host to run the same number of ranks of the group (a *uniform* layout); the
-engine uses them only then. Intra-host and rail traffic use :class:`SubsetTransport` views of the
-group's transport, so every phase is an ordinary algorithm from ``ring.py`` / ``tree.py``.
+engine uses them only then. Transports (:class:`Hierarchy`): the rail phases use a
+:class:`SubsetTransport` view of the group's transport (ranks renumbered, messages forwarded). The
+intra-host phases use the transport a :data:`HostTransport` makes for the host's ranks: the CPU
+backends make a shared-memory one (``transport/shm.py``, private to the host), and the phases
+above run ``shm_algorithms.py`` on its regions. Where there is none (CUDA, a host of one rank, a
+group on one host forced to ``"hierarchical"``) or shared memory could not be set up (every rank
+of the host then agrees to fall back, with a logged warning), the intra-host phases are the ring
+(``ring.py``) or tree (``tree.py``) algorithms on a view of the group's transport: over loopback,
+``(L - 1) α_l + (L - 1)/L · S β_l`` each.
 """
 
 from __future__ import annotations

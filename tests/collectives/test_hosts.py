@@ -206,6 +206,36 @@ def test_link_down_mid_all_reduce_raises_everywhere(tmp_path):
     assert elapsed < 50
 
 
+def hierarchical_until_a_rank_exits(rank: int, world_size: int, marker_dir: str) -> None:
+    t = torch.ones(1 << 16)
+    collectives.all_reduce(t, algorithm="hierarchical")
+    open(os.path.join(marker_dir, f"ready{rank}"), "w").close()
+    while len([f for f in os.listdir(marker_dir) if f.startswith("ready")]) < world_size:
+        time.sleep(0.01)
+    if rank == 1:  # local rank 1 of host 0: its host peer waits on it in shared memory
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        while True:
+            collectives.all_reduce(t, algorithm="hierarchical")
+    except collectives.CollectiveError as exc:
+        with open(os.path.join(marker_dir, f"raised{rank}"), "w") as f:
+            f.write(f"{time.monotonic() - start} {exc.op}")
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_exiting_mid_hierarchical_all_reduce_makes_every_other_rank_raise(tmp_path):
+    timeout = 5.0
+    with pytest.raises(collectives.LaunchError, match="rank 1"):
+        with HostNet(hosts=2) as net:
+            net.launch(hierarchical_until_a_rank_exits, 2, str(tmp_path), timeout=timeout, join_timeout=60)
+    for rank in (0, 2, 3):
+        path = tmp_path / f"raised{rank}"
+        assert path.exists(), f"rank {rank} did not raise"
+        after, op = path.read_text().split()
+        assert op == "all_reduce" and float(after) < 2 * timeout, (rank, after, op)
+
+
 def fails(rank: int, world_size: int) -> None:
     raise RuntimeError(f"rank {rank} fails on purpose")
 
