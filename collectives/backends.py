@@ -13,7 +13,8 @@ Built-in backends (registered at the bottom of this file):
                ``shm`` for CPU tensors when every rank is on one host, else ``p2p``;
                ``nccl-cupy`` for CUDA tensors
 ``shm``        our algorithms over shared memory (``transport/shm.py``), ranks of one host
-``p2p``        our algorithms over torch point-to-point (gloo); alias ``gloo``
+``p2p``        our algorithms over torch point-to-point (gloo); alias ``gloo``. A group that
+               spans hosts runs the hierarchical algorithms' intra-host phases over shared memory
 ``nccl-cupy``  our algorithms over NCCL send/recv through CuPy; aliases ``nccl``, ``cupy``
 ``torch``      torch.distributed's own collectives: the reference; alias ``reference``
 =============  ===========================================================================
@@ -35,6 +36,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -72,10 +74,16 @@ class Backend:
     description: str = ""
 
     def build(self, group: Group, device: torch.device) -> Engine:
-        """The engine of ``group`` on ``device``."""
+        """The engine of ``group`` on ``device``.
+
+        A transport backend's CPU engine for a group that spans hosts also gets shared memory
+        inside each host for the intra-host phases of the hierarchical algorithms
+        (:func:`_shm_host_transport`).
+        """
         if self.make_transport is not None:
             layout = Layout.from_keys(group.hosts)
-            host = _shm_host_transport(group) if device.type == "cpu" and layout.spans_hosts else None
+            shm = device.type == "cpu" and layout.spans_hosts and sys.platform.startswith("linux")
+            host = _shm_host_transport(group) if shm else None
             return AlgorithmEngine(self.make_transport(group, device), group.tuning, device, layout, host)
         engine = self.make_engine(group, device)
         if not isinstance(engine, Engine):
