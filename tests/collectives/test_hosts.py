@@ -150,6 +150,10 @@ def hierarchical_against_torch(rank: int, world_size: int, sizes: list[int]) -> 
 SIZES = [0, 1, 5, 1001, 3 * 257]
 
 
+def _failed(got: dict) -> list[str]:
+    return [name for name, ok in got["checks"].items() if not ok]
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("hosts,per_host", [(2, 2), (2, 3)])
 def test_hierarchical_intra_host_phases_run_over_shared_memory(hosts, per_host):
@@ -159,7 +163,7 @@ def test_hierarchical_intra_host_phases_run_over_shared_memory(hosts, per_host):
     for rank, got in enumerate(results):
         assert got["intra"] == ("ShmTransport", True), f"rank {rank}: the intra-host phases ran over {got['intra']}"
         assert not got["warnings"], got["warnings"]
-        assert all(got["checks"].values()), f"rank {rank} differs from torch: {[k for k, ok in got['checks'].items() if not ok]}"
+        assert all(got["checks"].values()), f"rank {rank} differs from torch: {_failed(got)}"
 
 
 @pytest.mark.timeout(120)
@@ -170,7 +174,7 @@ def test_hierarchical_falls_back_to_the_group_transport_without_shared_memory(tm
     for rank, got in enumerate(results):
         assert got["intra"] == ("ShmTransport", False), f"rank {rank}: {got['intra']}"
         assert any("falling back" in w and "missing" in w for w in got["warnings"]), (rank, got["warnings"])
-        assert all(got["checks"].values()), f"rank {rank} differs from torch: {[k for k, ok in got['checks'].items() if not ok]}"
+        assert all(got["checks"].values()), f"rank {rank} differs from torch: {_failed(got)}"
 
 
 def all_reduce_until_error(rank: int, world_size: int, marker_dir: str) -> tuple:
