@@ -197,7 +197,7 @@ class AlgorithmEngine:
         if not self.layout.uniform:
             sizes = [len(h) for h in self.layout.hosts]
             raise ValueError(f"hierarchical algorithms need the same number of ranks on every host, got {sizes}")
-        if self._hierarchy is None:  # a group on one host forced to "hierarchical": views only
+        if self._hierarchy is None:  # no host transport (one host, CUDA): views of the transport only
             self._hierarchy = hierarchical.Hierarchy.of(self.transport, self.layout)
         return self._hierarchy
 
