@@ -249,9 +249,12 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     layout = Layout.from_keys(ours.hosts)
     if model and not isinstance(engine, AlgorithmEngine):
         raise ValueError(f"--model needs a backend running our algorithms over a transport, not {type(engine).__name__}")
-    links = costmodel.measure(engine.transport, layout) if model else None
+    regions = None  # the hierarchical algorithms' intra-host shared memory, if they have it
+    if model and layout.spans_hosts and layout.uniform:
+        regions = engine.hierarchy().intra.shared_regions()
+    links = costmodel.measure(engine.transport, layout, regions) if model else None
     if links and rank == 0:
-        log.warning("fitted links: net %s; local %s", links["net"], links["local"])
+        log.warning("fitted links: %s", "; ".join(f"{k} {link}" for k, link in links.items()))
     shm_group = new_group(backend="shm") if shm else None
     variants = ("ours", "torch", "wire", "off", "shm", "memcpy")
     rows = []
@@ -303,7 +306,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     row["algorithm"] = costmodel.algorithm_for(op, algorithm, size, layout, ours.tuning)
                     if links:
                         row["model_us"] = 1e6 * costmodel.predict(
-                            op, size, layout, links["net"], links["local"], ours.tuning, algorithm)
+                            op, size, layout, links["net"], links["local"], ours.tuning, algorithm, links.get("shm"))
                         row["net_alpha"], row["net_beta"] = links["net"].alpha, links["net"].beta
                     rows.append(row)
                     log.info("%s", format_row(row, check_cost=check_cost, shm=shm))

@@ -113,37 +113,48 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
 
 
 def reduce_scatter(regions: SharedRegions, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
-    """Rank ``r`` gets ``ins[r]`` reduced over all ranks; ``ins`` are ``n`` chunks of ``out``'s size."""
-    n, r, m = regions.world_size, regions.rank, out.numel()
-    if m == 0:
-        return
-    signature = _signature("reduce_scatter", m, out.dtype, op)
-    for lo, hi in _pieces(m, regions.piece_bytes // out.element_size() // n):
+    """Rank ``r`` gets ``ins[r]`` reduced over all ranks into ``out`` (of ``ins[r]``'s size).
+
+    The ``n`` chunks ``ins`` may differ in size (the same sizes on every rank); ``out`` must not
+    overlap ``ins``. Each piece moves the same offsets ``lo:hi`` of every chunk.
+    """
+    n, r = regions.world_size, regions.rank
+    longest = max(t.numel() for t in ins)
+    signature = _signature("reduce_scatter", [t.numel() for t in ins], out.dtype, op)
+    for lo, hi in _pieces(longest, regions.piece_bytes // out.element_size() // n):
         k = hi - lo
         h = regions.begin_piece(signature)
         mine = regions.view(r, h, out.dtype, n * k)
         for c in range(n):
             if c != r:
-                mine[c * k : (c + 1) * k].copy_(ins[c][lo:hi])
+                part = ins[c][lo:hi]
+                mine[c * k : c * k + part.numel()].copy_(part)
         regions.step(range(n))
-        operands = [ins[r][lo:hi] if q == r else regions.view(q, h, out.dtype, n * k)[r * k : (r + 1) * k] for q in range(n)]
-        _reduce_into(op, out[lo:hi], operands)
+        part = out[lo:hi]
+        if part.numel():
+            operands = [ins[r][lo:hi] if q == r else regions.view(q, h, out.dtype, n * k)[r * k : r * k + part.numel()]
+                        for q in range(n)]
+            _reduce_into(op, part, operands)
         regions.end_piece()
     finish(op, out, n)
 
 
 def all_gather(regions: SharedRegions, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
-    """``outs[q]`` (each of ``inp``'s size) gets rank ``q``'s ``inp``."""
-    n, r, m = regions.world_size, regions.rank, inp.numel()
-    outs[r].copy_(inp)
-    signature = _signature("all_gather", m, inp.dtype)
-    for lo, hi in _pieces(m, regions.piece_bytes // inp.element_size()):
+    """``outs[q]`` gets rank ``q``'s ``inp``; the sizes may differ by rank (the same list on every
+    rank), and ``inp`` may be ``outs[r]`` itself."""
+    n, r = regions.world_size, regions.rank
+    if outs[r].data_ptr() != inp.data_ptr():
+        outs[r].copy_(inp)
+    signature = _signature("all_gather", [o.numel() for o in outs], inp.dtype)
+    for lo, hi in _pieces(max(o.numel() for o in outs), regions.piece_bytes // inp.element_size()):
         h = regions.begin_piece(signature)
-        regions.view(r, h, inp.dtype, hi - lo).copy_(inp[lo:hi])
+        part = inp[lo:hi]
+        regions.view(r, h, inp.dtype, part.numel()).copy_(part)
         regions.step(range(n))
         for q in range(n):
-            if q != r:
-                outs[q][lo:hi].copy_(regions.view(q, h, inp.dtype, hi - lo))
+            part = outs[q][lo:hi]
+            if q != r and part.numel():
+                part.copy_(regions.view(q, h, inp.dtype, part.numel()))
         regions.end_piece()
 
 
