@@ -168,6 +168,7 @@ class AlgorithmEngine:
         self._hierarchy: hierarchical.Hierarchy | None = None
         if host_transport is not None and self._spans_hosts():  # made now, so that transport_op labels it
             self._hierarchy = hierarchical.Hierarchy.of(transport, self.layout, host_transport)
+        self._symmetric: list[list[torch.Tensor]] = []  # per allocation: every rank's memory
 
     def transport_op(self, name: str) -> ContextManager[None]:
         if self._hierarchy is None:
@@ -201,9 +202,37 @@ class AlgorithmEngine:
             self._hierarchy = hierarchical.Hierarchy.of(self.transport, self.layout)
         return self._hierarchy
 
+    def symmetric_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``numel`` elements of symmetric memory (``SharedRegions.allocate``), or None without it.
+
+        Collective. The memory stays mapped until :meth:`close`.
+        """
+        regions = self._regions()
+        views = None if regions is None else regions.allocate(numel * dtype.itemsize)
+        if views is None:
+            return None
+        self._symmetric.append(views)
+        return views[self.transport.rank].view(dtype)
+
+    def _in_symmetric(self, buf: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
+        """Every rank's copy of ``buf`` and its byte offset, if ``buf`` lies in symmetric memory."""
+        if not self._symmetric or not buf.is_contiguous():
+            return None
+        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+        for views in self._symmetric:
+            base = views[self.transport.rank].data_ptr()
+            if base <= ptr and ptr + nbytes <= base + views[0].numel():
+                at = ptr - base
+                return [v[at : at + nbytes].view(buf.dtype) for v in views], at
+        return None
+
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto" and (regions := self._regions()) is not None:
-            shm_algorithms.all_reduce(regions, buf, op)
+            large = buf.numel() * buf.element_size() > shm_algorithms.ONE_SHOT_BYTES
+            if large and (found := self._in_symmetric(buf)) is not None:
+                shm_algorithms.all_reduce_symmetric(regions, found[0], op, found[1])
+            else:
+                shm_algorithms.all_reduce(regions, buf, op)
             return
         if algorithm == "auto":
             small = "recursive_doubling" if self._is_small(buf) else "ring"
@@ -317,6 +346,7 @@ class AlgorithmEngine:
     def close(self) -> None:
         if self._hierarchy is not None:
             self._hierarchy.close()
+        self._symmetric.clear()
         self.transport.close()
         self.workspace.clear()
 

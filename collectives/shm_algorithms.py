@@ -170,3 +170,58 @@ def broadcast(regions: SharedRegions, buf: torch.Tensor, src: int) -> None:
         if r != src:
             buf[lo:hi].copy_(regions.view(src, h, buf.dtype, hi - lo))
         regions.end_piece()
+
+
+#: the in-place reduction of :func:`all_reduce_symmetric` streams through chunks of this size.
+_SCRATCH_BYTES = 256 << 10
+
+
+def all_reduce_symmetric(regions: SharedRegions, bufs: Sequence[torch.Tensor], op: ReduceOp, where: int) -> None:
+    """All-reduce ``bufs[r]`` in place, where every rank's buffer lies in symmetric memory.
+
+    ``bufs[q]`` is rank ``q``'s buffer as mapped on this rank (``SharedRegions.allocate``):
+    peers read the input where the user computed it, so nothing is copied into the regions.
+
+    1. step: every rank's input is in place.
+    2. rank ``r`` reduces slice ``r`` of every rank's buffer, in rank order, into its own
+       buffer's slice ``r`` (AVG divides there); step.
+    3. rank ``r`` copies every peer's reduced slice into its buffer; step: nobody reads this
+       rank's buffer any more, so the caller may overwrite it when this returns.
+
+    Cost ``3σ + S(1 + 1/n + (n-1)/n) = 3σ + 2S``, counted as for :func:`all_reduce`, whose
+    ``S((n-1)/n + 1 + 2/n + (n-1)/n)`` is ``3S`` at ``n = 2``: the copy into the region and the
+    copy of the reduced slice back out are gone (ranks ``r ≥ 2`` reduce through a small,
+    cache-resident scratch, since their own slice is read after the first write). Each slice
+    is reduced once, by one rank, in rank order: bitwise the same result as :func:`all_reduce`.
+    ``where`` (the buffer's byte offset in its allocation) joins the signature, so ranks passing
+    different parts of their memory raise instead of mixing them.
+    """
+    n, r = regions.world_size, regions.rank
+    buf = bufs[r]
+    if n == 1 or buf.numel() == 0:
+        finish(op, buf, n)
+        return
+    everyone = range(n)
+    bounds = balanced_bounds(buf.numel(), n)
+    a, b = bounds[r], bounds[r + 1]
+    h = regions.begin_piece(_signature("all_reduce_symmetric", buf.numel(), buf.dtype, op, where))
+    regions.step(everyone)
+    if b > a:
+        operands = [bufs[q][a:b] for q in everyone]
+        if r <= 1:  # out aliases the first or second operand: elementwise ops allow that
+            _reduce_into(op, buf[a:b], operands)
+        else:  # out is a later operand, read after out is written: go through a scratch
+            k = max(1, min(_SCRATCH_BYTES, regions.piece_bytes) // buf.element_size())
+            scratch = regions.view(r, h, buf.dtype, k)
+            for lo in range(0, b - a, k):
+                hi = min(b - a, lo + k)
+                _reduce_into(op, scratch[: hi - lo], [x[lo:hi] for x in operands])
+                buf[a + lo : a + hi].copy_(scratch[: hi - lo])
+        finish(op, buf[a:b], n)
+    regions.step(everyone)
+    for q in everyone:
+        qa, qb = bounds[q], bounds[q + 1]
+        if q != r and qb > qa:
+            buf[qa:qb].copy_(bufs[q][qa:qb])
+    regions.step(everyone)
+    regions.end_piece()
