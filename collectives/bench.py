@@ -92,7 +92,7 @@ class _Case:
     """
 
     def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int, device: torch.device,
-                 algorithm: str = "auto"):
+                 algorithm: str = "auto", shm_group: Any = None):
         self.op, self.rank, self.n, self.algorithm = op, rank, n, algorithm
         esize = torch.empty((), dtype=dtype).element_size()
         count = max(n, nbytes // esize // n * n)  # divisible by n: every op can use it
@@ -102,12 +102,17 @@ class _Case:
         self.source = torch.randint(0, 5, (count,), generator=g).to(device=device, dtype=dtype)
         self.inp = self.source.clone()
         self.outs = {v: (torch.empty(count, dtype=dtype, device=device), torch.empty(self.piece, dtype=dtype, device=device))
-                     for v in ("ours", "torch", "shm")}
+                     for v in ("ours", "torch", "shm", "sym")}
         self.copy = torch.empty_like(self.source)
+        # all_reduce over shm also runs on an input in symmetric memory (the "sym" variant)
+        self.sym = (collectives.symmetric_empty(count, dtype=dtype, group=shm_group)
+                    if shm_group is not None and op == "all_reduce" else None)
 
     def prepare(self) -> None:
         """Restore the input (in-place ops overwrite it); runs before the timed region, never inside it."""
         self.inp.copy_(self.source)
+        if self.sym is not None:
+            self.sym.copy_(self.source)
 
     def poison(self) -> None:
         for outs in self.outs.values():
@@ -120,11 +125,13 @@ class _Case:
 
     def run(self, variant: str, group: Any) -> None:
         """One call of ``variant``: ``"ours"`` (this package, default group, ``self.algorithm``),
-        ``"shm"`` (this package on the shared-memory group ``group``) or ``"torch"``
-        (``torch.distributed`` itself on the torch process group ``group``)."""
+        ``"shm"`` (this package on the shared-memory group ``group``), ``"sym"`` (all_reduce over
+        ``group`` of an input in symmetric memory) or ``"torch"`` (``torch.distributed`` itself on
+        the torch process group ``group``)."""
         lib = tdist if variant == "torch" else collectives
-        op, inp, n = self.op, self.inp, self.n
-        out, small = self.outs[variant]
+        op, n = self.op, self.n
+        inp = self.sym if variant == "sym" else self.inp
+        out, small = self.outs["shm" if variant == "sym" else variant]
         chosen = {"algorithm": self.algorithm} if variant == "ours" else {}  # torch's have no algorithms
         if op == "all_reduce":
             lib.all_reduce(inp, group=group, **chosen)
@@ -143,6 +150,8 @@ class _Case:
 
     def result(self, variant: str) -> torch.Tensor:
         out, small = self.outs[variant]
+        if variant == "sym":
+            return self.sym.clone()
         if self.op in ("all_reduce", "broadcast"):
             return self.inp.clone()
         if self.op in ("reduce_scatter", "scatter"):
@@ -155,6 +164,7 @@ class _Case:
         """Elements where our result (and shm's) differs from torch's, each from the same input."""
         results = {}
         variants = (("torch", reference), ("ours", None)) + ((("shm", shm_group),) if shm_group else ())
+        variants += (("sym", shm_group),) if self.sym is not None else ()
         for variant, group in variants:
             self.prepare()
             self.poison()
@@ -238,7 +248,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     ``algorithm`` is forced on our all_reduce / broadcast; ``model`` fits α/β by ping-pong first
     and adds the cost model's prediction to every row (:mod:`collectives.costmodel`);
     ``check_cost`` also times ours with ``RINGDDP_DEBUG=OFF``; ``shm`` also times the op over
-    the shared-memory transport and one memcpy of its buffer.
+    the shared-memory transport, all_reduce also on an input in symmetric memory
+    (:func:`collectives.symmetric_empty`), and one memcpy of the op's buffer.
     """
     torch.set_num_threads(1)
     ours = get_default_group()
@@ -256,12 +267,12 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     if links and rank == 0:
         log.warning("fitted links: %s", "; ".join(f"{k} {link}" for k, link in links.items()))
     shm_group = new_group(backend="shm") if shm else None
-    variants = ("ours", "torch", "wire", "off", "shm", "memcpy")
+    variants = ("ours", "torch", "wire", "off", "shm", "sym", "memcpy")
     rows = []
     for op in ops:
         for dtype_name in dtypes:
             for nbytes in sizes:
-                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device, algorithm)
+                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device, algorithm, shm_group)
                 warm, timed = _iterations(nbytes, iters)
                 times: dict[str, list[float]] = {k: [] for k in variants}
                 cpu: dict[str, list[float]] = {k: [] for k in variants}
@@ -278,6 +289,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                             measured["off"] = _timed(case.prepare, lambda: case.run("ours", None), sync)
                     if shm_group is not None:
                         measured["shm"] = _timed(case.prepare, lambda: case.run("shm", shm_group), sync)
+                        if case.sym is not None:
+                            measured["sym"] = _timed(case.prepare, lambda: case.run("sym", shm_group), sync)
                         measured["memcpy"] = _timed(case.prepare, case.memcpy, sync)
                     if i >= warm:
                         for k, (wall, used) in measured.items():
@@ -302,6 +315,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
                     row["check"] = row["ours_us"] / row["off_us"] - 1 if check_cost else nan
                     row["shm_vs_torch"] = row["shm_busbw"] / row["torch_busbw"]
+                    row["sym_vs_torch"] = row["sym_busbw"] / row["torch_busbw"]
                     row["shm_vs_memcpy"] = row["shm_us"] / row["memcpy_us"]  # time: copies' worth
                     row["algorithm"] = costmodel.algorithm_for(op, algorithm, size, layout, ours.tuning)
                     if links:
@@ -319,7 +333,8 @@ HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':
 
 CPU_HEADER = f" |{'cpu ms: ours':>14}{'torch':>7}{'wire':>7}"
 CHECK_HEADER = f" |{'off us':>10}{'check':>8}{'cpu ms: off':>13}"
-SHM_HEADER = f" |{'shm us':>10}{'busbw':>7}{'vs torch':>9} |{'memcpy us':>10}{'shm/cpy':>8}"
+SHM_HEADER = (f" |{'shm us':>10}{'busbw':>7}{'vs torch':>9} |{'sym us':>10}{'vs torch':>9}"
+              f" |{'memcpy us':>10}{'shm/cpy':>8}")
 
 
 def format_row(r: dict, cpu: bool = False, check_cost: bool = False, shm: bool = False) -> str:
@@ -335,6 +350,7 @@ def format_row(r: dict, cpu: bool = False, check_cost: bool = False, shm: bool =
             + (f" |{num(r['ours_cpu_ms'], 14, 2)}{num(r['torch_cpu_ms'], 7, 2)}{num(r['wire_cpu_ms'], 7, 2)}" if cpu else "")
             + (f" |{num(r['off_us'], 10, 1)}{num(r['check'] * 100, 7, 1, '%')}{num(r['off_cpu_ms'], 13, 2)}" if check_cost else "")
             + (f" |{num(r['shm_us'], 10, 1)}{num(r['shm_busbw'], 7, 2)}{num(r['shm_vs_torch'], 9, 2, 'x')} |"
+               f"{num(r['sym_us'], 10, 1)}{num(r['sym_vs_torch'], 9, 2, 'x')} |"
                f"{num(r['memcpy_us'], 10, 1)}{num(r['shm_vs_memcpy'], 8, 2, 'x')}" if shm else "")
             + (f" | {r['algorithm']:<18}{num(r['model_us'], 10, 1)}{num(r['model_us'] / r['ours_us'], 7, 2, 'x')}"
                if "model_us" in r else ""))
