@@ -178,6 +178,16 @@ def test_scatter_gather_all_to_all_through_region_slots(shm_pools, world_size):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_scatter_gather_all_to_all_in_the_smallest_region(shm_pools, world_size):
+    """64-byte halves: 16-byte slots at 2 ranks (one float64 per piece), and at 3 ranks no room
+    for the all-to-all header plus a slot per peer, so the engine falls back to messages."""
+    pool = shm_pools(world_size, slot_bytes=64, slots=1, region_bytes=128)
+    for rank, failures in enumerate(pool.run(slotted_collectives, (0, 1, 3, 17))):
+        assert not failures, (rank, failures)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_scatter_gather_all_to_all_larger_than_a_half(shm_pools, world_size):
     pool = shm_pools(world_size, slot_bytes=64 << 10, slots=2, region_bytes=1 << 20)
