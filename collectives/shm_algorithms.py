@@ -66,8 +66,9 @@ least :data:`MIN_PIECE_BYTES`, at most half a region or a slot) when every rank 
 its own: the sender's copy of the next piece then overlaps the receivers' copy of the last one,
 about ``S/B`` instead of ``2 S/B`` for the pair of copies, for ``σ`` more per piece. When ranks
 outnumber cores they cannot copy at the same time, and each extra ``σ`` costs a context
-switch: one piece per half region (measured on 2 cores: 4 ranks lose 40% with 4 pieces at 1 MB,
-2 ranks gain up to 30% at 4 MB).
+switch: one piece per half region. Measured on 2 cores (interleaved, median of the slowest
+rank): 2 ranks at 1 MB 8–20% faster with 4 pieces when the machine is otherwise idle, even at
+4 MB; 4 ranks at 1 MB 35% slower.
 
 All functions take contiguous 1-D tensors; every rank calls with the same sizes (all-to-all:
 matching sizes between each pair), and ``n >= 2`` for the per-peer slots.
