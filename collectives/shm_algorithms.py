@@ -36,17 +36,21 @@ All-gather
     ``σ + S/n + S (n-1)/n``.
 
 Broadcast
-    The root copies a piece into its region; step; every other rank copies it out. ``σ + S``
-    per rank, whatever ``n``: no relaying. At the last step every rank waits for every rank (as
-    in scatter, below), so ranks that disagree on the root or the size all raise.
+    The root copies a piece into its region; step (the others wait for the root only); every
+    other rank copies it out. ``σ + S`` per rank, whatever ``n``: no relaying.
 
 Scatter, gather and all-to-all: per-peer slots
     These move *different* bytes to each peer, so a half is divided into ``n - 1`` slots, one
     per peer (:func:`fits_slots`: at least one element each, else the engine uses messages).
-    A step waits for the ranks whose region it reads; the last step of scatter and gather (and
-    broadcast) waits for every rank, so all compare their signatures and a mismatch raises on
-    every rank. Only there: a root that waited for its peers at every step would fall asleep
-    behind a late peer while it still has pieces to fill (measured: +300 µs on a 1 MB scatter).
+    As in broadcast, a step waits only for the ranks whose region it reads, so a sender (the
+    root of a scatter, the others in a gather) returns as soon as its copies are in, as with
+    messages through a FIFO. The readers compare the signatures: a mismatch raises there at
+    once, and on a sender at its next wait (the reader abandons the call; ``base.py``).
+    Making every rank wait for every rank at the last step would raise on all ranks in the
+    same call, but cost the senders a wait behind late peers, often a sleep and a wake-up.
+    (Tried: that, and streaming broadcast/scatter/gather in 4 pieces so the copies in and out
+    overlap; together a 1 MB broadcast took 740–820 µs instead of 300–390 µs, 2 ranks on 2
+    cores under the bench's barrier skew.)
 
     * Scatter: the root copies piece ``q`` into slot ``q`` of its region; step; rank ``q``
       copies its slot out (the root copies its own piece locally meanwhile). The root copies
@@ -61,22 +65,12 @@ Scatter, gather and all-to-all: per-peer slots
       counts to and from each peer, read by all ranks, so they agree on the number of pieces
       and raise together when two counts disagree.
 
-Broadcast, scatter and gather stream a buffer in at least :data:`STREAM_PIECES` pieces (of at
-least :data:`MIN_PIECE_BYTES`, at most half a region or a slot) when every rank has a core of
-its own: the sender's copy of the next piece then overlaps the receivers' copy of the last one,
-about ``S/B`` instead of ``2 S/B`` for the pair of copies, for ``σ`` more per piece. When ranks
-outnumber cores they cannot copy at the same time, and each extra ``σ`` costs a context
-switch: one piece per half region. Measured on 2 cores (interleaved, median of the slowest
-rank): 2 ranks at 1 MB 8–20% faster with 4 pieces when the machine is otherwise idle, even at
-4 MB; 4 ranks at 1 MB 35% slower.
-
 All functions take contiguous 1-D tensors; every rank calls with the same sizes (all-to-all:
 matching sizes between each pair), and ``n >= 2`` for the per-peer slots.
 """
 
 from __future__ import annotations
 
-import os
 import zlib
 from typing import Sequence
 
@@ -89,11 +83,6 @@ from .transport.base import SharedRegions
 
 #: all-reduce buffers up to this size use the one-shot algorithm.
 ONE_SHOT_BYTES = 32 << 10
-#: one-way collectives (broadcast, scatter, gather) stream a buffer in at least this many pieces
-#: of at least ``MIN_PIECE_BYTES`` when the ranks have a core each (see above).
-STREAM_PIECES = 4
-MIN_PIECE_BYTES = 256 << 10
-_CORES = os.cpu_count() or 1  # read once: a file read (/sys) per call costs 4 µs
 
 
 def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
@@ -101,30 +90,9 @@ def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
     return [(lo, min(numel, lo + per_piece)) for lo in range(0, numel, per_piece)]
 
 
-def _stream_piece(n: int, numel: int, capacity: int, itemsize: int) -> int:
-    """Elements per piece of a one-way collective among ``n`` ranks: at most ``capacity``.
-
-    It goes into the call's signature: ranks that would cut the buffer differently raise.
-    """
-    if n > _CORES:
-        return capacity
-    return min(capacity, max(-(-numel // STREAM_PIECES), MIN_PIECE_BYTES // itemsize))
-
-
 def _at_least_one(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """An empty buffer still runs one (empty) piece: its step compares the ranks' signatures."""
     return pieces or [(0, 0)]
-
-
-def _one_way(n: int, numel: int, per_piece: int, reads: Sequence[int]) -> list[tuple[int, int, Sequence[int]]]:
-    """The pieces ``(lo, hi, wait_for)`` of a one-way collective (broadcast, scatter, gather).
-
-    A step waits for the ranks whose region it reads next (``reads``), and the last step for
-    every rank: ranks that made different calls (size, root) then all raise, once per call, and
-    no rank waits, or falls asleep, for a peer it does not need while it still has pieces to move.
-    """
-    pieces = _at_least_one(_pieces(numel, per_piece))
-    return [(lo, hi, range(n) if hi == pieces[-1][1] else reads) for lo, hi in pieces]
 
 
 def _signature(name: str, numel: int, dtype: torch.dtype, *extra: object) -> int:
@@ -225,14 +193,13 @@ def all_gather(regions: SharedRegions, outs: Sequence[torch.Tensor], inp: torch.
 
 def broadcast(regions: SharedRegions, buf: torch.Tensor, src: int) -> None:
     """Copy ``buf`` of rank ``src`` into ``buf`` on every rank."""
-    n, r = regions.world_size, regions.rank
-    per_piece = _stream_piece(n, buf.numel(), regions.piece_bytes // buf.element_size(), buf.element_size())
-    signature = _signature("broadcast", buf.numel(), buf.dtype, src, per_piece)
-    for lo, hi, wait_for in _one_way(n, buf.numel(), per_piece, [] if r == src else [src]):
+    r = regions.rank
+    signature = _signature("broadcast", buf.numel(), buf.dtype, src)
+    for lo, hi in _at_least_one(_pieces(buf.numel(), regions.piece_bytes // buf.element_size())):
         h = regions.begin_piece(signature)
         if r == src:
             regions.view(r, h, buf.dtype, hi - lo).copy_(buf[lo:hi])
-        regions.step(wait_for)
+        regions.step([src])
         if r != src:
             buf[lo:hi].copy_(regions.view(src, h, buf.dtype, hi - lo))
         regions.end_piece()
@@ -277,15 +244,15 @@ def scatter(regions: SharedRegions, out: torch.Tensor, pieces: Sequence[torch.Te
     n, r, m, dtype = regions.world_size, regions.rank, out.numel(), out.dtype
     peers = [q for q in range(n) if q != src]
     slot = _slot_bytes(regions.piece_bytes, n - 1)
-    per_piece = _stream_piece(n, m, slot // out.element_size(), out.element_size())
-    signature = _signature("scatter", m, dtype, src, per_piece)
-    for lo, hi, wait_for in _one_way(n, m, per_piece, [] if r == src else [src]):
+    per_piece = slot // out.element_size()
+    signature = _signature("scatter", m, dtype, src)
+    for lo, hi in _at_least_one(_pieces(m, per_piece)):
         h = regions.begin_piece(signature)
         if r == src:
             assert pieces is not None
             for i, q in enumerate(peers):
                 _slot(regions, r, h, i * slot, dtype, hi - lo).copy_(pieces[q][lo:hi])
-        regions.step(wait_for)
+        regions.step([src])
         if r != src:
             out[lo:hi].copy_(_slot(regions, src, h, peers.index(r) * slot, dtype, hi - lo))
         regions.end_piece()
@@ -297,12 +264,13 @@ def scatter(regions: SharedRegions, out: torch.Tensor, pieces: Sequence[torch.Te
 def gather(regions: SharedRegions, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int) -> None:
     """Rank ``dst`` gets every rank's ``inp`` in ``outs[q]``; ``outs`` is None off the root."""
     n, r, m, dtype = regions.world_size, regions.rank, inp.numel(), inp.dtype
-    per_piece = _stream_piece(n, m, regions.piece_bytes // inp.element_size(), inp.element_size())
-    signature = _signature("gather", m, dtype, dst, per_piece)
+    per_piece = regions.piece_bytes // inp.element_size()
+    signature = _signature("gather", m, dtype, dst)
     if r == dst:  # while the peers copy in the first piece
         assert outs is not None
         outs[dst].copy_(inp)
-    for lo, hi, wait_for in _one_way(n, m, per_piece, range(n) if r == dst else []):
+    wait_for = range(n) if r == dst else []
+    for lo, hi in _at_least_one(_pieces(m, per_piece)):
         h = regions.begin_piece(signature)
         if r != dst:
             regions.view(r, h, dtype, hi - lo).copy_(inp[lo:hi])
