@@ -188,29 +188,34 @@ class Group:
                 f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name
             )
         label = trace.current_label()  # read on the submitting thread
-        header = wire.header(signature, self.tuning, algorithm, sizes)
+        level = debug.level()
+        header = wire.header(signature, self.tuning, algorithm, sizes, level)
 
         def run() -> None:
             tracer = trace.active()
             start = time.perf_counter_ns() if tracer is not None else 0
+            previous = wire.swap(header)
             try:
                 mailbox.settle(self)  # receives posted by irecv take their messages before ours
-                if debug.enabled():
+                if level == "DETAIL":
                     debug.check_agreement(self, signature)
-                with torch.no_grad(), wire.expect(header):
+                with torch.no_grad():
                     fn()
             except CollectiveError as exc:
                 self._mark_broken(exc)
                 raise
             finally:
+                wire.swap(previous)
                 if tracer is not None:
                     args = {"op": name, "group": self.name, "bytes": signature.nbytes, "async": async_op}
                     tracer.add(label or name, "collective", start, time.perf_counter_ns(), args)
 
         if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
             log.debug("%s on %s (rank %d)", debug.describe(signature), self.name, self._rank)
-        work = self._executor.submit(Work(name, result), run, async_op)
-        return work if async_op else None
+        if async_op:
+            return self._executor.submit(Work(name, result), run, True)
+        self._executor.call(name, run)  # inline when nothing is queued: no handle, no thread hop
+        return None
 
     def _mark_broken(self, error: CollectiveError) -> None:
         """Record the first communication failure; the group refuses further collectives."""
