@@ -76,7 +76,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LINE = 8  # int64 counters per 64-byte cache line
-_SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, asleep flag
+_SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, what a sleeper waits for
+# _SLEEPING holds a mask of the events that would end the owner's sleep (0: awake); a rank that
+# publishes one of them writes a wake-up byte only to the peers sleeping on it
+_ON_MESSAGE, _ON_STEP, _ON_DONE, _ON_ANY = 1, 2, 4, 7
 _ABANDONED = _SLEEPING + 1  # set once by a rank that found a mismatch: its peers stop waiting
 _TAG = _SEQ + 1  # two words after the step: the signature of the piece in each half
 _PAIR = 3 * _LINE  # per sender: head line, tail line, slot-size line
@@ -235,6 +238,8 @@ class ShmTransport(Transport, SharedRegions):
         self.config = config or ShmConfig.from_env()
         self.config.validate()
         self._fallback = fallback
+        # more ranks than cores: a spinning waiter gives its core to the peer it waits for
+        self._yield = world_size > len(os.sched_getaffinity(0))
         self._p2p: Transport | None = None
         self._set_up = False
         self._maps: list[mmap.mmap | None] = []
@@ -330,6 +335,7 @@ class ShmTransport(Transport, SharedRegions):
         self._recvs: dict[Peer, collections.deque[_Message]] = {q: collections.deque() for q in range(n) if q != rank}
         self._step = 0
         self._pieces = 0
+        self._views: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
         self._half = self._signature = 0
         self._dead: set[Peer] = set()
         self._poll = select.poll()
@@ -451,17 +457,21 @@ class ShmTransport(Transport, SharedRegions):
 
     # ---- waiting ---------------------------------------------------------------------------
 
-    def _wake(self, q: Peer) -> None:
-        """Tell peer ``q`` that a counter it may wait on changed (only if it sleeps)."""
-        _fence()
-        if self._ctrl[q][_SLEEPING]:
-            try:
-                self._socks[q].send(b"\0")
-            except OSError:  # full (it has wake-ups pending) or gone (its waits find out)
-                pass
+    def _wake(self, event: int, peers: Iterable[Peer] | None = None) -> None:
+        """Tell the peers (default: all) that ``event`` happened, writing a byte to those asleep on it."""
+        _fence()  # the counter we published must be visible before we read their flags (Dekker)
+        for q in self._sends if peers is None else peers:
+            if self._ctrl[q][_SLEEPING] & event:
+                try:
+                    self._socks[q].send(b"\0")
+                except OSError:  # full (it has wake-ups pending) or gone (its waits find out)
+                    pass
 
-    def _await(self, ready: Callable[[], bool], peers: Callable[[], Iterable[Peer]], kind: str, peer: Peer) -> None:
-        """Block until ``ready()``; ``peers()`` are the ranks whose progress it needs.
+    def _await(
+        self, ready: Callable[[], bool], peers: Callable[[], Iterable[Peer]], kind: str, peer: Peer, event: int
+    ) -> None:
+        """Block until ``ready()``; ``peers()`` are the ranks whose progress it needs, ``event``
+        the kinds of publication (``_ON_*``) that can make it ready.
 
         Spins for ``spin_seconds`` then sleeps on the peer sockets; raises naming ``peer`` (or
         the dead peer among ``peers()``) at the deadline or when a needed peer has exited.
@@ -470,13 +480,14 @@ class ShmTransport(Transport, SharedRegions):
             return
         spin_until = time.perf_counter() + self.config.spin_seconds
         while time.perf_counter() < spin_until:
-            os.sched_yield()
+            if self._yield:
+                os.sched_yield()
             if ready():
                 return
         deadline = time.monotonic() + self.timeout
         me = self._ctrl[self.rank]
         while True:
-            me[_SLEEPING] = 1
+            me[_SLEEPING] = event
             _fence()
             if ready():
                 me[_SLEEPING] = 0
@@ -516,11 +527,8 @@ class ShmTransport(Transport, SharedRegions):
     def _abandon(self, error: CollectiveError) -> CollectiveError:
         """Publish that this rank found a mismatch, so peers waiting on it raise at once instead of
         at the deadline; returns ``error`` for the caller to raise."""
-        me = self._ctrl[self.rank]
-        me[_ABANDONED] = 1
-        for q in range(self.world_size):
-            if q != self.rank:
-                self._wake(q)
+        self._ctrl[self.rank][_ABANDONED] = 1
+        self._wake(_ON_ANY)
         return error
 
     def _drain(self, q: Peer) -> None:
@@ -566,7 +574,7 @@ class ShmTransport(Transport, SharedRegions):
                 queue.popleft()
             moved = True
         if moved:
-            self._wake(q)
+            self._wake(_ON_MESSAGE, (q,))
         return moved
 
     def _pull(self, q: Peer) -> bool:
@@ -597,7 +605,7 @@ class ShmTransport(Transport, SharedRegions):
                 queue.popleft()
             moved = True
         if moved:
-            self._wake(q)
+            self._wake(_ON_MESSAGE, (q,))
         return moved
 
     def progress(self) -> None:
@@ -616,7 +624,7 @@ class ShmTransport(Transport, SharedRegions):
             self.progress()
             return not m.chunks
 
-        self._await(ready, self._pending_peers, "send to" if m.kind == "send" else "recv from", m.peer)
+        self._await(ready, self._pending_peers, "send to" if m.kind == "send" else "recv from", m.peer, _ON_MESSAGE)
 
     def _check_peer(self, peer: Peer) -> None:
         if not 0 <= peer < self.world_size or peer == self.rank:
@@ -647,41 +655,48 @@ class ShmTransport(Transport, SharedRegions):
         return self if self._ready() else None
 
     def view(self, rank: int, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._halves[rank][half][: numel * dtype.itemsize].view(dtype)
+        key = (rank, half, dtype, numel)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= 256:  # a loop repeats a few shapes; anything else starts over
+                self._views.clear()
+            v = self._views[key] = self._halves[rank][half][: numel * dtype.itemsize].view(dtype)
+        return v
+
+    def _never(self) -> tuple[Peer, ...]:
+        return ()
 
     def begin_piece(self, signature: int) -> int:
         g = self._pieces
         if g >= 2:
             for q in self._sends:
                 ctrl = self._ctrl[q]
-                self._await(lambda: ctrl[_DONE] >= g - 1, lambda: (), "waiting for", q)
+                if ctrl[_DONE] < g - 1:
+                    self._await(lambda: ctrl[_DONE] >= g - 1, self._never, "waiting for", q, _ON_DONE)
         self._half, self._signature = g % 2, signature
         self._ctrl[self.rank][_TAG + g % 2] = signature
         return g % 2
 
     def end_piece(self) -> None:
         self._pieces += 1
-        me = self._ctrl[self.rank]
-        _fence()
-        me[_DONE] = self._pieces
-        for q in self._sends:
-            self._wake(q)
+        _fence()  # our reads of the peers' halves are done before we say so
+        self._ctrl[self.rank][_DONE] = self._pieces
+        self._wake(_ON_DONE)
 
     def step(self, wait_for: Iterable[Peer]) -> None:
-        self._step += 1
-        step = self._step
-        me = self._ctrl[self.rank]
-        _fence()
-        me[_SEQ] = step
-        for q in self._sends:
-            self._wake(q)
+        self._step = step = self._step + 1
+        ctrl, me = self._ctrl, self.rank
+        _fence()  # our writes to our half are visible before the step that announces them
+        ctrl[me][_SEQ] = step
+        self._wake(_ON_STEP)
         for q in wait_for:
-            if q != self.rank:
-                ctrl = self._ctrl[q]
-                self._await(lambda: ctrl[_SEQ] >= step, lambda: (), "waiting for", q)
-        _fence()
+            if q != me and ctrl[q][_SEQ] < step:
+                theirs = ctrl[q]
+                self._await(lambda: theirs[_SEQ] >= step, self._never, "waiting for", q, _ON_STEP)
+        _fence()  # we read their halves only after seeing their step
+        half, signature = _TAG + self._half, self._signature
         for q in wait_for:
-            if self._ctrl[q][_TAG + self._half] != self._signature:
+            if ctrl[q][half] != signature:
                 raise self._abandon(CollectiveError(
                     f"{self.op}: rank {q} is running a different collective or size than this rank "
                     f"(rank {self.rank}): every rank must make the same calls with the same sizes",
@@ -703,6 +718,7 @@ class ShmTransport(Transport, SharedRegions):
         self._ctrl = []
         self._bytes = []
         self._halves = []
+        self._views = {}
         for i, m in enumerate(self._maps):
             if m is not None:
                 try:
