@@ -199,7 +199,10 @@ class Group:
                 mailbox.settle(self)  # receives posted by irecv take their messages before ours
                 if level == "DETAIL":
                     debug.check_agreement(self, signature)
-                with torch.no_grad():
+                if torch.is_grad_enabled():
+                    with torch.no_grad():
+                        fn()
+                else:  # already off (inside backward hooks, under no_grad): skip the context's cost
                     fn()
             except CollectiveError as exc:
                 self._mark_broken(exc)
