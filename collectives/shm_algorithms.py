@@ -44,6 +44,7 @@ All functions take contiguous 1-D tensors; every rank calls with the same sizes.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Sequence
 
@@ -62,6 +63,7 @@ def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
     return [(lo, min(numel, lo + per_piece)) for lo in range(0, numel, per_piece)]
 
 
+@functools.lru_cache(maxsize=256)
 def _signature(name: str, numel: int, dtype: torch.dtype, *extra: object) -> int:
     """An int naming a call, equal on ranks that made the same call (``hash`` varies per process)."""
     return zlib.crc32(f"{name}:{numel}:{dtype}:{extra}".encode())
