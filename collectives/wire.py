@@ -104,10 +104,14 @@ class Header:
     def _fields(self) -> tuple[int, ...]:
         return (_code(self.collective), _code(self.dtype), self.numel, _code(self.op), self.root, _code(self.algorithm), self.tuning)
 
+    def fields(self, seq: int, peer: int) -> list[int]:
+        """The :data:`FIELDS` numbers of the header message for ``peer``."""
+        pair = (self.sends[peer], self.recvs[peer]) if self.sends is not None and self.recvs is not None else (-1, -1)
+        return [seq, *self._fields, *pair]
+
     def encode(self, seq: int, peer: int) -> torch.Tensor:
         """The header message for ``peer``."""
-        pair = (self.sends[peer], self.recvs[peer]) if self.sends is not None and self.recvs is not None else (-1, -1)
-        return torch.from_numpy(numpy.array([seq, *self._fields, *pair], dtype=numpy.int64))
+        return torch.from_numpy(numpy.array(self.fields(seq, peer), dtype=numpy.int64))
 
     @functools.cached_property
     def _hash(self) -> int:
@@ -123,9 +127,10 @@ def tag(base: int, nbytes: int) -> int:
     return (base + nbytes * 2654435761) % (HEADER_TAG - 2) + 2
 
 
-def compare(mine: torch.Tensor, theirs: torch.Tensor) -> list[str]:
+def compare(mine: torch.Tensor | Sequence[int], theirs: torch.Tensor | Sequence[int]) -> list[str]:
     """Names of the fields in which two header messages (as sent to each other) disagree."""
-    mine, theirs = mine.tolist(), theirs.tolist()
+    mine = mine.tolist() if isinstance(mine, torch.Tensor) else list(mine)
+    theirs = theirs.tolist() if isinstance(theirs, torch.Tensor) else list(theirs)
     if mine[:8] == theirs[:8] and mine[8] == theirs[9] and mine[9] == theirs[8]:
         return []
     diffs = [_NAMES[i] for i in range(8) if mine[i] != theirs[i]]

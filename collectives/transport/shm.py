@@ -47,6 +47,7 @@ Waiting
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import datetime
@@ -61,11 +62,12 @@ import struct
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
 
+from .. import wire
 from ..errors import CollectiveError, CollectiveTimeoutError
 from .base import Peer, Request, SharedRegions, Transport
 from .torch_p2p import TorchP2PTransport
@@ -79,10 +81,12 @@ _LINE = 8  # int64 counters per 64-byte cache line
 _SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, what a sleeper waits for
 # _SLEEPING holds a mask of the events that would end the owner's sleep (0: awake); a rank that
 # publishes one of them writes a wake-up byte only to the peers sleeping on it
-_ON_MESSAGE, _ON_STEP, _ON_DONE, _ON_ANY = 1, 2, 4, 7
+_ON_MESSAGE, _ON_STEP, _ON_DONE, _ON_CALL, _ON_ANY = 1, 2, 4, 8, 15
 _ABANDONED = _SLEEPING + 1  # set once by a rank that found a mismatch: its peers stop waiting
 _TAG = _SEQ + 1  # two words after the step: the signature of the piece in each half
-_PAIR = 3 * _LINE  # per sender: head line, tail line, slot-size line
+_CALL = 3 * _LINE  # the checked collective under way: its number, then its wire.Header fields
+_PAIR = 4 * _LINE  # per sender: head line, tail line, slot-size line, slot-tag line
+_BYTES = 1  # in the sender's head line: its all-to-all bytes to the owner, and from the owner
 _MAX_SLOTS = _LINE
 _PAGE = 4096
 _FENCE = threading.Lock()
@@ -159,9 +163,9 @@ class ShmConfig:
 class _Message:
     """A posted send or receive: ``data`` (bytes of the tensor) moved chunk by chunk."""
 
-    __slots__ = ("data", "tensor", "nbytes", "offset", "chunks", "peer", "kind")
+    __slots__ = ("data", "tensor", "nbytes", "offset", "chunks", "peer", "kind", "tag")
 
-    def __init__(self, tensor: torch.Tensor, peer: Peer, kind: str, slot_bytes: int):
+    def __init__(self, tensor: torch.Tensor, peer: Peer, kind: str, slot_bytes: int, tag_base: int):
         self.tensor = tensor  # keeps the caller's storage alive
         # as_strided: a contiguous tensor of one element may still carry an odd stride
         flat = tensor.as_strided((tensor.numel(),), (1,)) if tensor.numel() else tensor.new_empty(0)
@@ -171,6 +175,7 @@ class _Message:
         self.chunks = max(1, -(-self.nbytes // slot_bytes))  # an empty message is one empty chunk
         self.peer = peer
         self.kind = kind
+        self.tag = wire.tag(tag_base, self.nbytes) if tag_base else 0  # what the message is (wire check)
 
     def chunk(self, slot_bytes: int) -> tuple[int, int]:
         """``(offset, size)`` of the next chunk of at most ``slot_bytes``."""
@@ -198,6 +203,26 @@ class ShmRequest(Request):
         if self._message.chunks:
             self._transport.progress()
         return not self._message.chunks
+
+
+class _Checked:
+    """:meth:`ShmTransport.operation`'s context for a checked collective: labels the traffic and,
+    when the body succeeded, confirms the peers ran the same call."""
+
+    __slots__ = ("transport", "label")
+
+    def __init__(self, transport: "ShmTransport", label: ContextManager[None]):
+        self.transport, self.label = transport, label
+
+    def __enter__(self) -> None:
+        self.label.__enter__()
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        try:
+            if kind is None:
+                self.transport.confirm()
+        finally:
+            self.label.__exit__(kind, *rest)
 
 
 class ShmTransport(Transport, SharedRegions):
@@ -242,8 +267,113 @@ class ShmTransport(Transport, SharedRegions):
         self._yield = world_size > len(os.sched_getaffinity(0))
         self._p2p: Transport | None = None
         self._set_up = False
+        self._seq = 0  # checked collectives so far (the wire check numbers them)
+        self._tag_base = 0  # of the checked collective under way; 0: unchecked
+        self._verified = 0  # the last one whose pieces matched every peer's signature
+        self._header: wire.Header | None = None  # its header
+        self._call = array.array("q")  # its header message's first _LINE numbers, as published
         self._maps: list[mmap.mmap | None] = []
         self._socks: dict[Peer, socket.socket] = {}
+
+    def operation(self, name: str) -> ContextManager[None]:
+        """Label the traffic; a checked collective (:func:`collectives.wire.current`) is numbered,
+        tags its messages and pieces with what it is, publishes its header, and compares the
+        peers' headers before it returns.
+
+        The check sends no message. Each slot carries its message's tag
+        (:func:`collectives.wire.tag`) next to its size and each piece its signature mixed with
+        the header's tag base, so data of another call is never read: the rank that finds one
+        raises and tells its peers (:meth:`_abandon`). Every rank publishes its header (the
+        all-to-all byte counts in each peer's pair lines) when the collective starts; at the end,
+        each rank waits until every peer has started the same collective number and compares
+        headers, so a rank that finished without reading anything of the peers' (a broadcast
+        root, a sender whose messages fit the slots) raises too. Ranks that wait on each other
+        without moving data (one runs a region algorithm, the other messages) compare while they
+        sleep.
+        """
+        if self._p2p is not None:  # fell back: the p2p transport runs its own wire check
+            return self._p2p.operation(name)
+        header = wire.current()
+        if header is None or self.world_size == 1:
+            self._tag_base = 0
+            return super().operation(name)
+        self._seq += 1
+        self._tag_base = header.tag_base(self._seq)
+        self._header = header
+        self._call = array.array("q", header.fields(self._seq, 0)[:_LINE])
+        if self._set_up:
+            self._publish_call()
+        return _Checked(self, super().operation(name))
+
+    def _publish_call(self) -> None:
+        """Publish the header of the checked collective: byte counts and fields, then its number."""
+        me, h = self.rank, self._header
+        if h.sends is not None and h.recvs is not None:
+            for q in self._sends:
+                self._ctrl[q][_PAIR + me * _PAIR + _BYTES : _PAIR + me * _PAIR + _BYTES + 2] = array.array(
+                    "q", (h.sends[q], h.recvs[q])
+                )
+        mine = self._ctrl[me]
+        mine[_CALL + 1 : _CALL + _LINE] = self._call[1:]
+        _fence()
+        mine[_CALL] = self._seq
+        self._wake(_ON_CALL)
+
+    def _header_of(self, q: Peer) -> list[int] | None:
+        """Peer ``q``'s header message if it runs our checked collective (by number), else None."""
+        theirs, seq = self._ctrl[q], self._seq
+        if theirs[_CALL] != seq:
+            return None
+        _fence()
+        fields = theirs[_CALL : _CALL + _LINE].tolist()
+        pair = _PAIR + q * _PAIR + _BYTES
+        sizes = self._ctrl[self.rank][pair : pair + 2].tolist() if self._header.sends is not None else [-1, -1]
+        _fence()
+        return fields + sizes if theirs[_CALL] == seq else None  # else it moved on meanwhile
+
+    def _mine(self, q: Peer) -> list[int]:
+        return self._header.fields(self._seq, q)
+
+    def _check_calls(self, peers: Iterable[Peer]) -> None:
+        """Raise if a peer in our checked collective (by number) runs a different call."""
+        if not self._tag_base:
+            return
+        for q in peers:
+            theirs = self._header_of(q)
+            if theirs is not None and wire.compare(self._mine(q), theirs):
+                raise self._abandon(self._mismatch(q))
+
+    def confirm(self) -> None:
+        """End of a checked collective: wait until every peer has started it, compare headers
+        (unless a step already compared every peer's piece signature, which covers the header).
+        A collective that moved nothing still sets the segments up for this."""
+        seq = self._seq
+        if self._verified == seq or not self._ready():
+            return
+        for q in self._sends:
+            theirs = self._ctrl[q]
+            if theirs[_CALL] < seq:
+                self._await(lambda: theirs[_CALL] >= seq, self._never, "waiting for", q, _ON_CALL)
+        self._check_calls(self._sends)
+
+    def _mismatch(self, q: Peer) -> CollectiveError:
+        """The error for a peer whose message, piece or header says it runs another call than ours."""
+        if not self._tag_base:  # unchecked traffic (no header): sizes or signatures differed
+            what = f"rank {q} is running a different collective or size than this rank (rank {self.rank})"
+        else:
+            theirs, mine = self._header_of(q), self._mine(q)
+            what = f"this rank ({self.rank}) called {wire.describe(torch.tensor(mine))}; rank {q} called "
+            if theirs is not None:
+                diffs = wire.compare(mine, theirs)
+                what += f"{wire.describe(torch.tensor(theirs))}; they differ in {', '.join(diffs) or 'sizes'}"
+            else:
+                what += "another collective"
+        return CollectiveError(
+            f"{self.op}: rank {q} called a different collective (wire check): {what}. Every rank must "
+            "issue the same collectives with matching arguments and sizes, in the same order",
+            op=self.op,
+            peer=q,
+        )
 
     def _ready(self) -> bool:
         """Set up on first use (inside a collective, so errors name it); False once on the fallback."""
@@ -344,6 +474,8 @@ class ShmTransport(Transport, SharedRegions):
             s.setblocking(False)
             self._poll.register(s.fileno(), select.POLLIN)
             self._fd_peer[s.fileno()] = q
+        if self._tag_base:
+            self._publish_call()
         log.debug("shm transport %s: rank %d/%d, %d bytes per rank", uid, rank, n, self._size)
 
     @classmethod
@@ -507,7 +639,10 @@ class ShmTransport(Transport, SharedRegions):
                 self._drain(self._fd_peer[fileno])
             if ready():
                 return
+            self._check_calls(self._sends)
             abandoned = [q for q in range(self.world_size) if q != self.rank and self._ctrl[q][_ABANDONED]]
+            if abandoned and self._tag_base and self._header_of(abandoned[0]) is not None:
+                raise self._mismatch(abandoned[0])
             if abandoned:
                 raise CollectiveError(
                     f"{self.op}: rank {abandoned[0]} found that the ranks called different collectives or sizes "
@@ -568,6 +703,7 @@ class ShmTransport(Transport, SharedRegions):
             if size:
                 self._slot(q, self.rank, head % slots, size).copy_(m.data[offset : offset + size])
             ctrl[base + 2 * _LINE + head % slots] = m.nbytes
+            ctrl[base + 3 * _LINE + head % slots] = m.tag
             _fence()
             ctrl[base] = self._head[q] = head + 1
             if m.advance(size):
@@ -589,6 +725,8 @@ class ShmTransport(Transport, SharedRegions):
             _fence()
             m = queue[0]
             sent = ctrl[base + 2 * _LINE + tail % slots]
+            if sent != m.nbytes and self._tag_base:
+                raise self._abandon(self._mismatch(q))
             if sent != m.nbytes:
                 raise self._abandon(CollectiveError(
                     f"{self.op}: rank {q} sent a {sent}-byte message where this rank (rank {self.rank}) "
@@ -596,6 +734,8 @@ class ShmTransport(Transport, SharedRegions):
                     op=self.op,
                     peer=q,
                 ))
+            if ctrl[base + 3 * _LINE + tail % slots] != m.tag:
+                raise self._abandon(self._mismatch(q))
             offset, size = m.chunk(slot_bytes)
             if size:
                 m.data[offset : offset + size].copy_(self._slot(self.rank, q, tail % slots, size))
@@ -643,7 +783,7 @@ class ShmTransport(Transport, SharedRegions):
     def _queue(self, tensor: torch.Tensor, peer: Peer, kind: str, queues, move: Callable[[Peer], bool]) -> Request:
         """Queue one message to or from ``peer``; the first of its queue starts moving at once."""
         self._check_peer(peer)
-        m = _Message(tensor, peer, kind, self.config.slot_bytes)
+        m = _Message(tensor, peer, kind, self.config.slot_bytes, self._tag_base)
         queues[peer].append(m)
         if len(queues[peer]) == 1:
             move(peer)
@@ -673,6 +813,7 @@ class ShmTransport(Transport, SharedRegions):
                 ctrl = self._ctrl[q]
                 if ctrl[_DONE] < g - 1:
                     self._await(lambda: ctrl[_DONE] >= g - 1, self._never, "waiting for", q, _ON_DONE)
+        signature ^= self._tag_base  # the wire check rides on the piece's signature
         self._half, self._signature = g % 2, signature
         self._ctrl[self.rank][_TAG + g % 2] = signature
         return g % 2
@@ -694,15 +835,13 @@ class ShmTransport(Transport, SharedRegions):
                 theirs = ctrl[q]
                 self._await(lambda: theirs[_SEQ] >= step, self._never, "waiting for", q, _ON_STEP)
         _fence()  # we read their halves only after seeing their step
-        half, signature = _TAG + self._half, self._signature
+        half, signature, checked = _TAG + self._half, self._signature, 0
         for q in wait_for:
             if ctrl[q][half] != signature:
-                raise self._abandon(CollectiveError(
-                    f"{self.op}: rank {q} is running a different collective or size than this rank "
-                    f"(rank {self.rank}): every rank must make the same calls with the same sizes",
-                    op=self.op,
-                    peer=q,
-                ))
+                raise self._abandon(self._mismatch(q))
+            checked += q != me
+        if checked == self.world_size - 1:
+            self._verified = self._seq
 
     # ---- teardown --------------------------------------------------------------------------
 
