@@ -36,10 +36,12 @@ Messages
 
 Waiting
     Ranks may outnumber cores (4 ranks on 2 cores), so a waiter spins only briefly
-    (``spin_seconds``, yielding the core each turn), then sets its ``sleeping`` flag, fences,
-    checks again and blocks in ``poll`` on its sockets to the peers. Whoever publishes a counter
-    fences, reads the peer's ``sleeping`` flag and, if set, writes one byte to that peer's
-    socket. The same sockets report a dead peer (EOF: the kernel closes them when a process
+    (``spin_seconds``: 300 µs when every rank has a core, the first 50 µs without yielding it;
+    else 50 µs yielding the core each turn), then sets its ``sleeping`` word to the events it
+    waits for, fences, checks again and blocks in ``poll`` on its sockets to the peers. Whoever
+    publishes a counter fences, reads the peers' ``sleeping`` words and writes one byte to the
+    socket of each peer asleep on that event. A sleeping waiter costs its peers a system call
+    and itself a wake-up (on a VM about 200 µs), hence the spin. The same sockets report a dead peer (EOF: the kernel closes them when a process
     dies, even by SIGKILL), and ``poll`` carries the group's deadline, so a stopped peer gives
     a :class:`~collectives.errors.CollectiveTimeoutError` and a dead one a
     :class:`~collectives.errors.CollectiveError`, both naming the operation and the peer.
@@ -89,6 +91,7 @@ _PAIR = 4 * _LINE  # per sender: head line, tail line, slot-size line, slot-tag 
 _BYTES = 1  # in the sender's head line: its all-to-all bytes to the owner, and from the owner
 _MAX_SLOTS = _LINE
 _PAGE = 4096
+_BUSY_SPIN = 50e-6  # seconds a waiter with a core of its own spins without yielding
 _FENCE = threading.Lock()
 
 
@@ -124,14 +127,15 @@ class ShmConfig:
         slot_bytes: size of one FIFO slot: the chunk a long message is streamed in.
         slots: FIFO depth per pair (at most 8).
         region_bytes: a rank's region for the shared-memory algorithms (two halves).
-        spin_seconds: how long a waiter polls memory before it blocks (``RINGDDP_SHM_SPIN_US``).
+        spin_seconds: how long a waiter polls memory before it blocks (``RINGDDP_SHM_SPIN_US``);
+            ``None``: 300 µs when every rank has a core, else 50 µs.
     """
 
     directory: str = "/dev/shm"
     slot_bytes: int = 512 << 10
     slots: int = 4
     region_bytes: int = 8 << 20
-    spin_seconds: float = 50e-6
+    spin_seconds: float | None = None
 
     @classmethod
     def from_env(cls) -> "ShmConfig":
@@ -140,7 +144,7 @@ class ShmConfig:
             slot_bytes=_env_bytes("RINGDDP_SHM_SLOT_BYTES", cls.slot_bytes),
             slots=_env_bytes("RINGDDP_SHM_SLOTS", cls.slots),
             region_bytes=_env_bytes("RINGDDP_SHM_REGION_BYTES", cls.region_bytes),
-            spin_seconds=float(os.environ.get("RINGDDP_SHM_SPIN_US", cls.spin_seconds * 1e6)) / 1e6,
+            spin_seconds=float(os.environ["RINGDDP_SHM_SPIN_US"]) / 1e6 if os.environ.get("RINGDDP_SHM_SPIN_US") else None,
         )
 
     def validate(self) -> None:
@@ -263,8 +267,14 @@ class ShmTransport(Transport, SharedRegions):
         self.config = config or ShmConfig.from_env()
         self.config.validate()
         self._fallback = fallback
-        # more ranks than cores: a spinning waiter gives its core to the peer it waits for
-        self._yield = world_size > len(os.sched_getaffinity(0))
+        # Spinning: with a core per rank, first without yielding (the peer is about to publish;
+        # sched_yield hands the core to any other runnable thread for up to its time slice),
+        # then yielding (other threads, e.g. gloo's I/O, get the core); with more ranks than
+        # cores, yield from the start (the peer we wait for may need our core).
+        own_core = world_size <= len(os.sched_getaffinity(0))
+        spin = self.config.spin_seconds
+        self._spin = spin if spin is not None else (300e-6 if own_core else 50e-6)
+        self._busy_spin = min(self._spin, _BUSY_SPIN) if own_core else 0.0
         self._p2p: Transport | None = None
         self._set_up = False
         self._seq = 0  # checked collectives so far (the wire check numbers them)
@@ -610,9 +620,11 @@ class ShmTransport(Transport, SharedRegions):
         """
         if ready():
             return
-        spin_until = time.perf_counter() + self.config.spin_seconds
-        while time.perf_counter() < spin_until:
-            if self._yield:
+        now = time.perf_counter()
+        spin_until = now + self._spin
+        busy_until = now + self._busy_spin
+        while (now := time.perf_counter()) < spin_until:
+            if now >= busy_until:
                 os.sched_yield()
             if ready():
                 return
