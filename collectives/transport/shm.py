@@ -281,7 +281,7 @@ class ShmTransport(Transport, SharedRegions):
         self._tag_base = 0  # of the checked collective under way; 0: unchecked
         self._verified = 0  # the last one whose pieces matched every peer's signature
         self._header: wire.Header | None = None  # its header
-        self._call = array.array("q")  # its header message's first _LINE numbers, as published
+        self._published_header: wire.Header | None = None  # the one whose fields are in shared memory
         self._maps: list[mmap.mmap | None] = []
         self._socks: dict[Peer, socket.socket] = {}
 
@@ -310,7 +310,6 @@ class ShmTransport(Transport, SharedRegions):
         self._seq += 1
         self._tag_base = header.tag_base(self._seq)
         self._header = header
-        self._call = array.array("q", header.fields(self._seq, 0)[:_LINE])
         if self._set_up:
             self._publish_call()
         return _Checked(self, super().operation(name))
@@ -318,13 +317,16 @@ class ShmTransport(Transport, SharedRegions):
     def _publish_call(self) -> None:
         """Publish the header of the checked collective: byte counts and fields, then its number."""
         me, h = self.rank, self._header
-        if h.sends is not None and h.recvs is not None:
-            for q in self._sends:
-                self._ctrl[q][_PAIR + me * _PAIR + _BYTES : _PAIR + me * _PAIR + _BYTES + 2] = array.array(
-                    "q", (h.sends[q], h.recvs[q])
-                )
         mine = self._ctrl[me]
-        mine[_CALL + 1 : _CALL + _LINE] = self._call[1:]
+        if h is not self._published_header:  # a loop repeating one call only bumps the number
+            mine[_CALL] = 0  # a seqlock: readers that see the number change meanwhile discard what they read
+            _fence()
+            if h.sends is not None and h.recvs is not None:
+                for q in self._sends:
+                    pair = _PAIR + me * _PAIR + _BYTES
+                    self._ctrl[q][pair : pair + 2] = array.array("q", (h.sends[q], h.recvs[q]))
+            mine[_CALL + 1 : _CALL + _LINE] = array.array("q", h.fields(0, 0)[1:_LINE])
+            self._published_header = h
         _fence()
         mine[_CALL] = self._seq
         self._wake(_ON_CALL)
