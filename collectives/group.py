@@ -194,21 +194,23 @@ class Group:
         def run() -> None:
             tracer = trace.active()
             start = time.perf_counter_ns() if tracer is not None else 0
-            previous = wire.swap(header)
             try:
                 mailbox.settle(self)  # receives posted by irecv take their messages before ours
                 if level == "DETAIL":
-                    debug.check_agreement(self, signature)
-                if torch.is_grad_enabled():
-                    with torch.no_grad():
+                    debug.check_agreement(self, signature)  # before the header: its own traffic
+                previous = wire.swap(header)
+                try:
+                    if torch.is_grad_enabled():
+                        with torch.no_grad():
+                            fn()
+                    else:  # already off (inside backward hooks, under no_grad): skip the context's cost
                         fn()
-                else:  # already off (inside backward hooks, under no_grad): skip the context's cost
-                    fn()
+                finally:
+                    wire.swap(previous)
             except CollectiveError as exc:
                 self._mark_broken(exc)
                 raise
             finally:
-                wire.swap(previous)
                 if tracer is not None:
                     args = {"op": name, "group": self.name, "bytes": signature.nbytes, "async": async_op}
                     tracer.add(label or name, "collective", start, time.perf_counter_ns(), args)
