@@ -26,9 +26,10 @@ Segments
 Messages
     Sender ``s`` owns ``head[s]`` and receiver ``r`` owns ``tail[s]``, both in ``r``'s control
     block; both only grow. The sender copies a chunk into slot ``head % slots`` when
-    ``head - tail < slots``, records the message's total size next to it, then publishes
-    ``head + 1``; the receiver checks the size against what it posted (a mismatch is an error,
-    never a silent misread), copies the chunk out and publishes ``tail + 1``. Counters are
+    ``head - tail < slots``, records the message's total size and its tag (what the message
+    is, :mod:`collectives.wire`) next to it, then publishes ``head + 1``; the receiver checks
+    both against what it posted (a mismatch is an error, never a silent misread; see
+    :meth:`ShmTransport.operation`), copies the chunk out and publishes ``tail + 1``. Counters are
     written after the data they cover, behind a full fence. Messages between a pair therefore
     arrive in the order posted. Progress happens inside :meth:`Request.wait` (and eagerly when a
     message is posted): a waiting rank moves every pending chunk it can, so a ring step's send
