@@ -28,6 +28,7 @@ from .api import (
     reduce_scatter,
     reduce_scatter_tensor,
     scatter,
+    symmetric_empty,
 )
 from . import trace
 from .backends import backend_names, register_backend
@@ -171,4 +172,5 @@ __all__ = [
     "send",
     "send_object_list",
     "supports_complex",
+    "symmetric_empty",
 ]

@@ -474,3 +474,37 @@ def barrier(group: Group | None = None, async_op: bool = False, device_ids: Sequ
             engine.barrier()
 
     return g.submit(name, run, async_op, debug.signature(name, None), [])
+
+
+def symmetric_empty(numel: int, *, dtype: torch.dtype = torch.float32, group: Group | None = None) -> torch.Tensor:
+    """A 1-D CPU tensor of ``numel`` elements in *symmetric memory*: memory every rank can read.
+
+    Collective: every rank of the group calls it, in the same order, with the same ``numel`` and
+    ``dtype`` (like torch's ``_symmetric_memory.empty`` + ``rendezvous`` for CUDA). On the
+    ``shm`` backend each rank gets a segment of its own that every peer maps, and an
+    ``all_reduce`` of the tensor (or of a contiguous slice of it, the same slice on every rank)
+    needs no copy into shared memory: peers read the data where it was computed
+    (``shm_algorithms.all_reduce_symmetric``: 2 copies of the buffer instead of 3 at two ranks).
+    Everywhere else (other backends, one rank, or shared memory too small: the reason is logged)
+    it is an ordinary ``torch.empty`` and everything works the same. Contents are uninitialised.
+    The memory stays mapped until the group is destroyed.
+    """
+    name = "symmetric_empty"
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise TypeError(f"{name}: numel must be an int, got {type(numel).__name__}")
+    if numel < 0:
+        raise ValueError(f"{name}: numel must be >= 0, got {numel}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name}: dtype must be a torch.dtype, got {type(dtype).__name__}")
+    g = get_group(group)
+    engine = g.engine(torch.device("cpu"), name)
+    make = getattr(engine, "symmetric_empty", None)  # optional engine method
+    made: list[torch.Tensor | None] = [None]
+
+    def run() -> None:
+        if make is not None:
+            with engine.transport_op(name):
+                made[0] = make(numel, dtype)
+
+    g.submit(name, run, False, debug.signature(name, torch.empty(numel, dtype=dtype, device="meta")))
+    return made[0] if made[0] is not None else torch.empty(numel, dtype=dtype)

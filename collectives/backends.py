@@ -13,7 +13,8 @@ Built-in backends (registered at the bottom of this file):
                ``shm`` for CPU tensors when every rank is on one host, else ``p2p``;
                ``nccl-cupy`` for CUDA tensors
 ``shm``        our algorithms over shared memory (``transport/shm.py``), ranks of one host
-``p2p``        our algorithms over torch point-to-point (gloo); alias ``gloo``
+``p2p``        our algorithms over torch point-to-point (gloo); alias ``gloo``. A group that
+               spans hosts runs the hierarchical algorithms' intra-host phases over shared memory
 ``nccl-cupy``  our algorithms over NCCL send/recv through CuPy; aliases ``nccl``, ``cupy``
 ``torch``      torch.distributed's own collectives: the reference; alias ``reference``
 =============  ===========================================================================
@@ -35,11 +36,14 @@ import dataclasses
 import importlib
 import logging
 import os
-from typing import TYPE_CHECKING, Callable
+import sys
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .engine import AlgorithmEngine, Engine, TorchEngine
+from .hierarchical import HostTransport
 from .topology import Layout
 from .transport.base import Transport
 from .transport.shm import ShmTransport
@@ -70,10 +74,17 @@ class Backend:
     description: str = ""
 
     def build(self, group: Group, device: torch.device) -> Engine:
-        """The engine of ``group`` on ``device``."""
+        """The engine of ``group`` on ``device``.
+
+        A transport backend's CPU engine for a group that spans hosts also gets shared memory
+        inside each host for the intra-host phases of the hierarchical algorithms
+        (:func:`_shm_host_transport`).
+        """
         if self.make_transport is not None:
             layout = Layout.from_keys(group.hosts)
-            return AlgorithmEngine(self.make_transport(group, device), group.tuning, device, layout)
+            shm = device.type == "cpu" and layout.spans_hosts and sys.platform.startswith("linux")
+            host = _shm_host_transport(group) if shm else None
+            return AlgorithmEngine(self.make_transport(group, device), group.tuning, device, layout, host)
         engine = self.make_engine(group, device)
         if not isinstance(engine, Engine):
             raise TypeError(
@@ -268,6 +279,22 @@ def describe_backends() -> str:
         alias = f" (alias {', '.join(b.aliases)})" if b.aliases else ""
         lines.append(f"{b.name} [{'/'.join(b.device_types)}]{alias}: {b.description}")
     return "; ".join(lines)
+
+
+def _shm_host_transport(group: Group) -> HostTransport:
+    """Shared memory among the ranks of one host, for the intra-host phases of the hierarchical
+    collectives of a CPU group that spans hosts.
+
+    Each host's ranks meet on a store of their own (``hier/<host>/`` inside the group's). If
+    they cannot share memory (the check and the fallback are agreed by all of them), they log a
+    warning and use ``fallback``: the view of the group's transport.
+    """
+
+    def make(host: int, members: Sequence[int], fallback: Callable[[], Transport]) -> Transport:
+        store = dist.PrefixStore(f"hier/{host}/", group.store)
+        return ShmTransport(list(members).index(group.rank()), len(members), group.timeout, store, fallback=fallback)
+
+    return make
 
 
 # ---------------------------------------------------------------------------- built-in backends

@@ -92,7 +92,7 @@ class _Case:
     """
 
     def __init__(self, op: str, dtype: torch.dtype, nbytes: int, rank: int, n: int, device: torch.device,
-                 algorithm: str = "auto"):
+                 algorithm: str = "auto", shm_group: Any = None):
         self.op, self.rank, self.n, self.algorithm = op, rank, n, algorithm
         esize = torch.empty((), dtype=dtype).element_size()
         count = max(n, nbytes // esize // n * n)  # divisible by n: every op can use it
@@ -102,12 +102,17 @@ class _Case:
         self.source = torch.randint(0, 5, (count,), generator=g).to(device=device, dtype=dtype)
         self.inp = self.source.clone()
         self.outs = {v: (torch.empty(count, dtype=dtype, device=device), torch.empty(self.piece, dtype=dtype, device=device))
-                     for v in ("ours", "torch", "shm")}
+                     for v in ("ours", "torch", "shm", "sym")}
         self.copy = torch.empty_like(self.source)
+        # all_reduce over shm also runs on an input in symmetric memory (the "sym" variant)
+        self.sym = (collectives.symmetric_empty(count, dtype=dtype, group=shm_group)
+                    if shm_group is not None and op == "all_reduce" else None)
 
     def prepare(self) -> None:
         """Restore the input (in-place ops overwrite it); runs before the timed region, never inside it."""
         self.inp.copy_(self.source)
+        if self.sym is not None:
+            self.sym.copy_(self.source)
 
     def poison(self) -> None:
         for outs in self.outs.values():
@@ -120,11 +125,13 @@ class _Case:
 
     def run(self, variant: str, group: Any) -> None:
         """One call of ``variant``: ``"ours"`` (this package, default group, ``self.algorithm``),
-        ``"shm"`` (this package on the shared-memory group ``group``) or ``"torch"``
-        (``torch.distributed`` itself on the torch process group ``group``)."""
+        ``"shm"`` (this package on the shared-memory group ``group``), ``"sym"`` (all_reduce over
+        ``group`` of an input in symmetric memory) or ``"torch"`` (``torch.distributed`` itself on
+        the torch process group ``group``)."""
         lib = tdist if variant == "torch" else collectives
-        op, inp, n = self.op, self.inp, self.n
-        out, small = self.outs[variant]
+        op, n = self.op, self.n
+        inp = self.sym if variant == "sym" else self.inp
+        out, small = self.outs["shm" if variant == "sym" else variant]
         chosen = {"algorithm": self.algorithm} if variant == "ours" else {}  # torch's have no algorithms
         if op == "all_reduce":
             lib.all_reduce(inp, group=group, **chosen)
@@ -143,6 +150,8 @@ class _Case:
 
     def result(self, variant: str) -> torch.Tensor:
         out, small = self.outs[variant]
+        if variant == "sym":
+            return self.sym.clone()
         if self.op in ("all_reduce", "broadcast"):
             return self.inp.clone()
         if self.op in ("reduce_scatter", "scatter"):
@@ -155,6 +164,7 @@ class _Case:
         """Elements where our result (and shm's) differs from torch's, each from the same input."""
         results = {}
         variants = (("torch", reference), ("ours", None)) + ((("shm", shm_group),) if shm_group else ())
+        variants += (("sym", shm_group),) if self.sym is not None else ()
         for variant, group in variants:
             self.prepare()
             self.poison()
@@ -238,7 +248,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     ``algorithm`` is forced on our all_reduce / broadcast; ``model`` fits α/β by ping-pong first
     and adds the cost model's prediction to every row (:mod:`collectives.costmodel`);
     ``check_cost`` also times ours with ``RINGDDP_DEBUG=OFF``; ``shm`` also times the op over
-    the shared-memory transport and one memcpy of its buffer.
+    the shared-memory transport, all_reduce also on an input in symmetric memory
+    (:func:`collectives.symmetric_empty`), and one memcpy of the op's buffer.
     """
     torch.set_num_threads(1)
     ours = get_default_group()
@@ -249,16 +260,19 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     layout = Layout.from_keys(ours.hosts)
     if model and not isinstance(engine, AlgorithmEngine):
         raise ValueError(f"--model needs a backend running our algorithms over a transport, not {type(engine).__name__}")
-    links = costmodel.measure(engine.transport, layout) if model else None
+    regions = None  # the hierarchical algorithms' intra-host shared memory, if they have it
+    if model and layout.spans_hosts and layout.uniform:
+        regions = engine.hierarchy().intra.shared_regions()
+    links = costmodel.measure(engine.transport, layout, regions) if model else None
     if links and rank == 0:
-        log.warning("fitted links: net %s; local %s", links["net"], links["local"])
+        log.warning("fitted links: %s", "; ".join(f"{k} {link}" for k, link in links.items()))
     shm_group = new_group(backend="shm") if shm else None
-    variants = ("ours", "torch", "wire", "off", "shm", "memcpy")
+    variants = ("ours", "torch", "wire", "off", "shm", "sym", "memcpy")
     rows = []
     for op in ops:
         for dtype_name in dtypes:
             for nbytes in sizes:
-                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device, algorithm)
+                case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device, algorithm, shm_group)
                 warm, timed = _iterations(nbytes, iters)
                 times: dict[str, list[float]] = {k: [] for k in variants}
                 cpu: dict[str, list[float]] = {k: [] for k in variants}
@@ -275,6 +289,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                             measured["off"] = _timed(case.prepare, lambda: case.run("ours", None), sync)
                     if shm_group is not None:
                         measured["shm"] = _timed(case.prepare, lambda: case.run("shm", shm_group), sync)
+                        if case.sym is not None:
+                            measured["sym"] = _timed(case.prepare, lambda: case.run("sym", shm_group), sync)
                         measured["memcpy"] = _timed(case.prepare, case.memcpy, sync)
                     if i >= warm:
                         for k, (wall, used) in measured.items():
@@ -299,11 +315,12 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
                     row["check"] = row["ours_us"] / row["off_us"] - 1 if check_cost else nan
                     row["shm_vs_torch"] = row["shm_busbw"] / row["torch_busbw"]
+                    row["sym_vs_torch"] = row["sym_busbw"] / row["torch_busbw"]
                     row["shm_vs_memcpy"] = row["shm_us"] / row["memcpy_us"]  # time: copies' worth
                     row["algorithm"] = costmodel.algorithm_for(op, algorithm, size, layout, ours.tuning)
                     if links:
                         row["model_us"] = 1e6 * costmodel.predict(
-                            op, size, layout, links["net"], links["local"], ours.tuning, algorithm)
+                            op, size, layout, links["net"], links["local"], ours.tuning, algorithm, links.get("shm"))
                         row["net_alpha"], row["net_beta"] = links["net"].alpha, links["net"].beta
                     rows.append(row)
                     log.info("%s", format_row(row, check_cost=check_cost, shm=shm))
@@ -316,7 +333,8 @@ HEADER = (f"{'op':<15}{'n':>2} {'dtype':<9}{'size':>7}{'count':>11} |{'ours us':
 
 CPU_HEADER = f" |{'cpu ms: ours':>14}{'torch':>7}{'wire':>7}"
 CHECK_HEADER = f" |{'off us':>10}{'check':>8}{'cpu ms: off':>13}"
-SHM_HEADER = f" |{'shm us':>10}{'busbw':>7}{'vs torch':>9} |{'memcpy us':>10}{'shm/cpy':>8}"
+SHM_HEADER = (f" |{'shm us':>10}{'busbw':>7}{'vs torch':>9} |{'sym us':>10}{'vs torch':>9}"
+              f" |{'memcpy us':>10}{'shm/cpy':>8}")
 
 
 def format_row(r: dict, cpu: bool = False, check_cost: bool = False, shm: bool = False) -> str:
@@ -332,6 +350,7 @@ def format_row(r: dict, cpu: bool = False, check_cost: bool = False, shm: bool =
             + (f" |{num(r['ours_cpu_ms'], 14, 2)}{num(r['torch_cpu_ms'], 7, 2)}{num(r['wire_cpu_ms'], 7, 2)}" if cpu else "")
             + (f" |{num(r['off_us'], 10, 1)}{num(r['check'] * 100, 7, 1, '%')}{num(r['off_cpu_ms'], 13, 2)}" if check_cost else "")
             + (f" |{num(r['shm_us'], 10, 1)}{num(r['shm_busbw'], 7, 2)}{num(r['shm_vs_torch'], 9, 2, 'x')} |"
+               f"{num(r['sym_us'], 10, 1)}{num(r['sym_vs_torch'], 9, 2, 'x')} |"
                f"{num(r['memcpy_us'], 10, 1)}{num(r['shm_vs_memcpy'], 8, 2, 'x')}" if shm else "")
             + (f" | {r['algorithm']:<18}{num(r['model_us'], 10, 1)}{num(r['model_us'] / r['ours_us'], 7, 2, 'x')}"
                if "model_us" in r else ""))
@@ -394,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=0,
                    help="run the ranks on this many emulated hosts (network namespaces; needs root), "
                         "world size / hosts ranks on each")
-    p.add_argument("--netem", help="with --hosts: tc netem on every host's link, e.g. 'delay 1ms rate 1gbit'")
+    p.add_argument("--netem", help="with --hosts: netem on every host's link, e.g. 'delay 1ms rate 1gbit' (emulated "
+                                    "in userspace where the kernel has no netem: delay, rate and limit only)")
+    p.add_argument("--emulator", default="auto", choices=("auto", "tc", "user"),
+                   help="with --netem: the kernel's qdisc (tc), the userspace emulator (user), or tc where it exists")
     p.add_argument("--tbf", help="with --hosts: tc tbf on every host's link, e.g. 'rate 1gbit burst 256kb latency 50ms'")
     p.add_argument("--check-cost", action="store_true",
                    help="also time ours with RINGDDP_DEBUG=OFF (interleaved) and print the wire check's cost")
@@ -424,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts:
         from .testing.hosts import link_unavailable, unavailable
 
-        reason = unavailable() or (link_unavailable(link) if link else None)
+        reason = unavailable() or (link_unavailable(link, args.emulator) if link else None)
         if reason or any(n % args.hosts for n in world_sizes):
             p.error(reason or f"--hosts {args.hosts}: every world size must be a multiple of it")
     if args.shm and (device_type_of(args.backend) != "cpu" or args.hosts):
@@ -434,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in world_sizes:
         job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
                args.model, args.check_cost, args.shm)
-        result = _run_hosts(args.hosts, link, n, job) if args.hosts else launch(
+        result = _run_hosts(args.hosts, link, args.emulator, n, job) if args.hosts else launch(
             job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
             print(format_row(r, args.cpu, args.check_cost, args.shm))
@@ -448,11 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
-def _run_hosts(hosts: int, link: str | None, n: int, job: tuple) -> list[dict]:
+def _run_hosts(hosts: int, link: str | None, emulator: str, n: int, job: tuple) -> list[dict]:
     """Rank 0's rows of ``job`` run on ``hosts`` emulated hosts, ``n / hosts`` ranks on each."""
     from .testing.hosts import HostNet
 
-    with HostNet(hosts, link) as net:
+    with HostNet(hosts, link, emulator) as net:
         return net.launch(job[0], n // hosts, *job[1:], backend=job[6], join_timeout=3600)[0]
 
 

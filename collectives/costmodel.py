@@ -8,11 +8,15 @@ This module measures them and checks the formulas against the clock:
   fastest round trip (the minimum filters out the scheduling noise of a busy host, which only
   ever adds time). :func:`exchange` times both ranks of a pair sending at once, as a ring step
   does, on every host at the same time.
+* :func:`copy_times` times an all-gather over a host's shared regions, in which every rank
+  copies the gathered bytes once: its fit is the ``shm`` link, ``α`` one synchronisation and
+  ``β`` the seconds per byte *copied*, the unit of the shared-memory algorithms' costs.
 * :func:`fit` fits ``t(S) = α + β S``: ``β`` by least squares (the large messages decide it),
   ``α`` from the smallest message.
 * :func:`predict` evaluates the cost formula of the algorithm the engine picks (or the one
-  forced) for an op, a size and a host layout, with the network link ``net`` between hosts and
-  the ``local`` link inside a host.
+  forced) for an op, a size and a host layout, with the network link ``net`` between hosts, the
+  ``local`` link inside a host (the group's transport, loopback) and, where the hierarchical
+  algorithms' intra-host phases run over shared memory, the ``shm`` link.
 * :func:`tuning` turns a fitted link into :class:`~collectives.engine.Tuning`: the sizes where the
   formulas of two algorithms cross.
 """
@@ -26,9 +30,10 @@ from typing import Sequence
 
 import torch
 
+from . import shm_algorithms
 from .engine import Tuning
 from .topology import Layout
-from .transport.base import Transport, wait_all
+from .transport.base import SharedRegions, Transport, wait_all
 
 PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -101,6 +106,28 @@ def exchange(
     return samples
 
 
+def copy_times(regions: SharedRegions, sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[tuple[int, float]]:
+    """Times ``[(bytes, seconds)]`` of an all-gather of ``S`` bytes in all over shared regions.
+
+    Every rank copies its ``S / L`` bytes into its region, synchronises once and copies the
+    other ``(L - 1)/L · S`` out: ``S`` bytes copied per rank, every rank of the host at once (as in
+    a hierarchical collective's intra-host phase). Fastest of ``iters`` after one warm-up.
+    """
+    samples = []
+    for nbytes in sizes:
+        m = max(1, nbytes // regions.world_size)
+        inp = torch.zeros(m, dtype=torch.uint8)
+        outs = [torch.empty(m, dtype=torch.uint8) for _ in range(regions.world_size)]
+        times = []
+        for i in range(iters + 1):
+            start = time.perf_counter()
+            shm_algorithms.all_gather(regions, outs, inp)
+            if i:
+                times.append(time.perf_counter() - start)
+        samples.append((m * regions.world_size, min(times)))
+    return samples
+
+
 def fit(samples: Sequence[tuple[int, float]]) -> Link:
     """Hockney's fit: ``β`` = least-squares slope of time over bytes, ``α`` = the smallest message's time.
 
@@ -119,17 +146,23 @@ def fit(samples: Sequence[tuple[int, float]]) -> Link:
     return Link(max(0.0, float(times[small] - beta * sizes[small])), beta)
 
 
-def measure(transport: Transport, layout: Layout, sizes: Sequence[int] = PING_SIZES) -> dict[str, Link]:
-    """Fit ``"net"`` and ``"local"`` links on every rank of the group (all must call it).
+def measure(
+    transport: Transport, layout: Layout, regions: SharedRegions | None = None, sizes: Sequence[int] = PING_SIZES
+) -> dict[str, Link]:
+    """Fit ``"net"``, ``"local"`` and (with ``regions``) ``"shm"`` links on every rank of the group
+    (all must call it).
 
     ``net``: ping-pong between rank 0 and the first rank of host 1, the others idle (one stream
     on the network, whose β is the host interface's). ``local``: the first two ranks of *every*
-    host exchange at once (:func:`exchange`), like the intra-host steps of a hierarchical
-    collective. A missing kind of link gets the other's fit. Rank 0 fits and sends the numbers
-    to all, so every rank returns the same links.
+    host exchange at once over ``transport`` (:func:`exchange`), like the intra-host steps of a
+    flat algorithm. A missing kind of link gets the other's fit. ``shm``: every host's ranks time
+    :func:`copy_times` on their shared ``regions`` (this rank's host's; the hierarchical
+    algorithms' intra-host transport) at once; rank 0's host's fit is used. Rank 0 fits and sends
+    the numbers to all, so every rank returns the same links.
     """
     r = transport.rank
-    fits = torch.zeros(4, dtype=torch.float64)
+    fits = torch.full((6,), math.nan, dtype=torch.float64)
+    fits[:4] = 0.0
     if layout.spans_hosts:
         samples = ping_pong(transport, 0, layout.hosts[1][0], sizes)
         if r == 0:
@@ -138,13 +171,20 @@ def measure(transport: Transport, layout: Layout, sizes: Sequence[int] = PING_SI
         pair = layout.local(r)[:2]
         samples = exchange(transport, pair[1 - pair.index(r)] if r in pair else None, sizes)
         if r == 0:
-            fits[2:] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+            fits[2:4] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+    if regions is not None:
+        samples = copy_times(regions, sizes)
+        if r == 0:
+            fits[4:] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
     if r == 0:
         wait_all(transport.post(sends=[(fits, peer) for peer in range(1, transport.world_size)]))
     else:
         transport.recv(fits, 0)
-    net, local = Link(*fits[:2].tolist()), Link(*fits[2:].tolist())
-    return {"net": net if layout.spans_hosts else local, "local": local if len(layout.hosts[0]) > 1 else net}
+    net, local = Link(*fits[:2].tolist()), Link(*fits[2:4].tolist())
+    links = {"net": net if layout.spans_hosts else local, "local": local if len(layout.hosts[0]) > 1 else net}
+    if not math.isnan(fits[4]):
+        links["shm"] = Link(*fits[4:].tolist())
+    return links
 
 
 def _log2(n: int) -> int:
@@ -183,19 +223,25 @@ def algorithm_for(op: str, algorithm: str, nbytes: int, layout: Layout, tuning: 
 
 def predict(
     op: str, nbytes: int, layout: Layout, net: Link, local: Link,
-    tuning: Tuning | None = None, algorithm: str = "auto",
+    tuning: Tuning | None = None, algorithm: str = "auto", shm: Link | None = None,
 ) -> float:
     """Seconds the α/β model gives for ``op`` on ``nbytes`` (nccl-tests' size) over ``layout``.
 
     Steps that cross hosts pay ``net``; steps inside a host pay ``local``. A flat algorithm over a
     group that spans hosts is paced by its slowest hop, the network. The ``L`` rails of a
     hierarchical phase share one network interface per host, so they pay ``L`` times the bytes.
+    With ``shm`` (the host's ranks share memory) the hierarchical algorithms' intra-host phases
+    are the shared-memory algorithms instead: one synchronisation (``shm.alpha``) per phase and
+    their copies per rank at ``shm.beta`` (see ``shm_algorithms.py``): the reduce-scatter copies
+    ``(L - 1)/L · S`` in and combines ``S`` (``2 - 1/L`` copies), the all-gather and the
+    broadcast copy ``S``.
     """
     tuning = tuning or Tuning()
     n, hosts, per_host = sum(len(h) for h in layout.hosts), len(layout.hosts), len(layout.hosts[0])
     flat = net if layout.spans_hosts else local
     s = float(nbytes)
     name = algorithm_for(op, algorithm, nbytes, layout, tuning)
+    shm = shm if per_host > 1 else None  # a host of one rank has no intra-host phase
     if n == 1:
         return 0.0
     if op == "all_reduce":
@@ -209,7 +255,10 @@ def predict(
             sharing = per_host if layout.spans_hosts else 1
             return local.time(inside * s, inside) + flat.time(crossing * s * sharing, crossing)
         chunk = s / per_host
-        inside = local.time(2 * (per_host - 1) / per_host * s, 2 * (per_host - 1))
+        if shm is not None:
+            inside = shm.time((2 - 1 / per_host) * s + s, 2)
+        else:
+            inside = local.time(2 * (per_host - 1) / per_host * s, 2 * (per_host - 1))
         if chunk <= tuning.small_bytes:
             across = net.time(_rd_steps(hosts) * chunk * per_host, _rd_steps(hosts))
         else:
@@ -227,13 +276,16 @@ def predict(
             return link.time(_log2(m) * s, _log2(m))
 
         if name == "hierarchical":
-            return one(net, hosts) + one(local, per_host)
+            inside = shm.time(s) if shm is not None else one(local, per_host)
+            return one(net, hosts) + inside
         return one(flat, n)
     if op in ("all_gather", "reduce_scatter"):
         if name == "direct":
             return flat.time((n - 1) / n * s, n - 1)
         if name == "hierarchical":
             across = net.time((hosts - 1) / hosts * s, hosts - 1)
+            if shm is not None:
+                return across + shm.time((2 - 1 / per_host) * s if op == "reduce_scatter" else s)
             return across + local.time((per_host - 1) / per_host * s, per_host - 1)
         return flat.time((n - 1) / n * s, n - 1)
     return flat.time((n - 1) / n * s, n - 1)  # scatter, gather, all_to_all: direct

@@ -150,18 +150,33 @@ class AlgorithmEngine:
         layout: which ranks share a host (default: one host). When the group spans hosts with
             the same number of ranks on each, ``auto`` picks the hierarchical algorithms
             (``hierarchical.py``) for all_reduce, broadcast and large all_gather / reduce_scatter.
+        host_transport: makes the transport among the ranks of this rank's host that the
+            intra-host phases of those algorithms use (the CPU backends pass shared memory);
+            default: a view of ``transport``. Made with the engine when the group spans hosts;
+            the engine labels and closes it.
     """
 
-    def __init__(self, transport: Transport, tuning: Tuning, device: torch.device, layout: Layout | None = None):
+    def __init__(
+        self, transport: Transport, tuning: Tuning, device: torch.device, layout: Layout | None = None,
+        host_transport: hierarchical.HostTransport | None = None,
+    ):
         self.transport = transport
         self.tuning = tuning
         self.device = torch.device(device)
         self.workspace = Workspace()
         self.layout = layout or Layout((tuple(range(transport.world_size)),))
         self._hierarchy: hierarchical.Hierarchy | None = None
+        if host_transport is not None and self._spans_hosts():  # made now, so that transport_op labels it
+            self._hierarchy = hierarchical.Hierarchy.of(transport, self.layout, host_transport)
+        self._symmetric: list[list[torch.Tensor]] = []  # per allocation: every rank's memory
 
     def transport_op(self, name: str) -> ContextManager[None]:
-        return self.transport.operation(name)
+        if self._hierarchy is None:
+            return self.transport.operation(name)
+        labels = contextlib.ExitStack()
+        labels.enter_context(self.transport.operation(name))
+        labels.enter_context(self._hierarchy.intra.operation(name))
+        return labels
 
     def _regions(self) -> SharedRegions | None:
         """The transport's shared regions (``shm``), if it has them and there are peers."""
@@ -178,17 +193,46 @@ class AlgorithmEngine:
         return self.layout.spans_hosts and self.layout.uniform
 
     def hierarchy(self) -> hierarchical.Hierarchy:
-        """This rank's host and rail views of the transport; the layout must be uniform."""
+        """This rank's host and rail transports (:class:`~collectives.hierarchical.Hierarchy`); the
+        layout must be uniform."""
         if not self.layout.uniform:
             sizes = [len(h) for h in self.layout.hosts]
             raise ValueError(f"hierarchical algorithms need the same number of ranks on every host, got {sizes}")
-        if self._hierarchy is None:
+        if self._hierarchy is None:  # no host transport (one host, CUDA): views of the transport only
             self._hierarchy = hierarchical.Hierarchy.of(self.transport, self.layout)
         return self._hierarchy
 
+    def symmetric_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``numel`` elements of symmetric memory (``SharedRegions.allocate``), or None without it.
+
+        Collective. The memory stays mapped until :meth:`close`.
+        """
+        regions = self._regions()
+        views = None if regions is None else regions.allocate(numel * dtype.itemsize)
+        if views is None:
+            return None
+        self._symmetric.append(views)
+        return views[self.transport.rank].view(dtype)
+
+    def _in_symmetric(self, buf: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
+        """Every rank's copy of ``buf`` and its byte offset, if ``buf`` lies in symmetric memory."""
+        if not self._symmetric or not buf.is_contiguous():
+            return None
+        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+        for views in self._symmetric:
+            base = views[self.transport.rank].data_ptr()
+            if base <= ptr and ptr + nbytes <= base + views[0].numel():
+                at = ptr - base
+                return [v[at : at + nbytes].view(buf.dtype) for v in views], at
+        return None
+
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto" and (regions := self._regions()) is not None:
-            shm_algorithms.all_reduce(regions, buf, op)
+            large = buf.numel() * buf.element_size() > shm_algorithms.ONE_SHOT_BYTES
+            if large and (found := self._in_symmetric(buf)) is not None:
+                shm_algorithms.all_reduce_symmetric(regions, found[0], op, found[1])
+            else:
+                shm_algorithms.all_reduce(regions, buf, op)
             return
         if algorithm == "auto":
             small = "recursive_doubling" if self._is_small(buf) else "ring"
@@ -300,6 +344,9 @@ class AlgorithmEngine:
         self.transport.recv(buf, peer)
 
     def close(self) -> None:
+        if self._hierarchy is not None:
+            self._hierarchy.close()
+        self._symmetric.clear()
         self.transport.close()
         self.workspace.clear()
 

@@ -44,7 +44,6 @@ All functions take contiguous 1-D tensors; every rank calls with the same sizes.
 
 from __future__ import annotations
 
-import functools
 import zlib
 from typing import Sequence
 
@@ -63,7 +62,6 @@ def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
     return [(lo, min(numel, lo + per_piece)) for lo in range(0, numel, per_piece)]
 
 
-@functools.lru_cache(maxsize=256)
 def _signature(name: str, numel: int, dtype: torch.dtype, *extra: object) -> int:
     """An int naming a call, equal on ranks that made the same call (``hash`` varies per process)."""
     return zlib.crc32(f"{name}:{numel}:{dtype}:{extra}".encode())
@@ -115,37 +113,48 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
 
 
 def reduce_scatter(regions: SharedRegions, out: torch.Tensor, ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
-    """Rank ``r`` gets ``ins[r]`` reduced over all ranks; ``ins`` are ``n`` chunks of ``out``'s size."""
-    n, r, m = regions.world_size, regions.rank, out.numel()
-    if m == 0:
-        return
-    signature = _signature("reduce_scatter", m, out.dtype, op)
-    for lo, hi in _pieces(m, regions.piece_bytes // out.element_size() // n):
+    """Rank ``r`` gets ``ins[r]`` reduced over all ranks into ``out`` (of ``ins[r]``'s size).
+
+    The ``n`` chunks ``ins`` may differ in size (the same sizes on every rank); ``out`` must not
+    overlap ``ins``. Each piece moves the same offsets ``lo:hi`` of every chunk.
+    """
+    n, r = regions.world_size, regions.rank
+    longest = max(t.numel() for t in ins)
+    signature = _signature("reduce_scatter", [t.numel() for t in ins], out.dtype, op)
+    for lo, hi in _pieces(longest, regions.piece_bytes // out.element_size() // n):
         k = hi - lo
         h = regions.begin_piece(signature)
         mine = regions.view(r, h, out.dtype, n * k)
         for c in range(n):
             if c != r:
-                mine[c * k : (c + 1) * k].copy_(ins[c][lo:hi])
+                part = ins[c][lo:hi]
+                mine[c * k : c * k + part.numel()].copy_(part)
         regions.step(range(n))
-        operands = [ins[r][lo:hi] if q == r else regions.view(q, h, out.dtype, n * k)[r * k : (r + 1) * k] for q in range(n)]
-        _reduce_into(op, out[lo:hi], operands)
+        part = out[lo:hi]
+        if part.numel():
+            operands = [ins[r][lo:hi] if q == r else regions.view(q, h, out.dtype, n * k)[r * k : r * k + part.numel()]
+                        for q in range(n)]
+            _reduce_into(op, part, operands)
         regions.end_piece()
     finish(op, out, n)
 
 
 def all_gather(regions: SharedRegions, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
-    """``outs[q]`` (each of ``inp``'s size) gets rank ``q``'s ``inp``."""
-    n, r, m = regions.world_size, regions.rank, inp.numel()
-    outs[r].copy_(inp)
-    signature = _signature("all_gather", m, inp.dtype)
-    for lo, hi in _pieces(m, regions.piece_bytes // inp.element_size()):
+    """``outs[q]`` gets rank ``q``'s ``inp``; the sizes may differ by rank (the same list on every
+    rank), and ``inp`` may be ``outs[r]`` itself."""
+    n, r = regions.world_size, regions.rank
+    if outs[r].data_ptr() != inp.data_ptr():
+        outs[r].copy_(inp)
+    signature = _signature("all_gather", [o.numel() for o in outs], inp.dtype)
+    for lo, hi in _pieces(max(o.numel() for o in outs), regions.piece_bytes // inp.element_size()):
         h = regions.begin_piece(signature)
-        regions.view(r, h, inp.dtype, hi - lo).copy_(inp[lo:hi])
+        part = inp[lo:hi]
+        regions.view(r, h, inp.dtype, part.numel()).copy_(part)
         regions.step(range(n))
         for q in range(n):
-            if q != r:
-                outs[q][lo:hi].copy_(regions.view(q, h, inp.dtype, hi - lo))
+            part = outs[q][lo:hi]
+            if q != r and part.numel():
+                part.copy_(regions.view(q, h, inp.dtype, part.numel()))
         regions.end_piece()
 
 
@@ -161,3 +170,58 @@ def broadcast(regions: SharedRegions, buf: torch.Tensor, src: int) -> None:
         if r != src:
             buf[lo:hi].copy_(regions.view(src, h, buf.dtype, hi - lo))
         regions.end_piece()
+
+
+#: the in-place reduction of :func:`all_reduce_symmetric` streams through chunks of this size.
+_SCRATCH_BYTES = 256 << 10
+
+
+def all_reduce_symmetric(regions: SharedRegions, bufs: Sequence[torch.Tensor], op: ReduceOp, where: int) -> None:
+    """All-reduce ``bufs[r]`` in place, where every rank's buffer lies in symmetric memory.
+
+    ``bufs[q]`` is rank ``q``'s buffer as mapped on this rank (``SharedRegions.allocate``):
+    peers read the input where the user computed it, so nothing is copied into the regions.
+
+    1. step: every rank's input is in place.
+    2. rank ``r`` reduces slice ``r`` of every rank's buffer, in rank order, into its own
+       buffer's slice ``r`` (AVG divides there); step.
+    3. rank ``r`` copies every peer's reduced slice into its buffer; step: nobody reads this
+       rank's buffer any more, so the caller may overwrite it when this returns.
+
+    Cost ``3σ + S(1 + 1/n + (n-1)/n) = 3σ + 2S``, counted as for :func:`all_reduce`, whose
+    ``S((n-1)/n + 1 + 2/n + (n-1)/n)`` is ``3S`` at ``n = 2``: the copy into the region and the
+    copy of the reduced slice back out are gone (ranks ``r ≥ 2`` reduce through a small,
+    cache-resident scratch, since their own slice is read after the first write). Each slice
+    is reduced once, by one rank, in rank order: bitwise the same result as :func:`all_reduce`.
+    ``where`` (the buffer's byte offset in its allocation) joins the signature, so ranks passing
+    different parts of their memory raise instead of mixing them.
+    """
+    n, r = regions.world_size, regions.rank
+    buf = bufs[r]
+    if n == 1 or buf.numel() == 0:
+        finish(op, buf, n)
+        return
+    everyone = range(n)
+    bounds = balanced_bounds(buf.numel(), n)
+    a, b = bounds[r], bounds[r + 1]
+    h = regions.begin_piece(_signature("all_reduce_symmetric", buf.numel(), buf.dtype, op, where))
+    regions.step(everyone)
+    if b > a:
+        operands = [bufs[q][a:b] for q in everyone]
+        if r <= 1:  # out aliases the first or second operand: elementwise ops allow that
+            _reduce_into(op, buf[a:b], operands)
+        else:  # out is a later operand, read after out is written: go through a scratch
+            k = max(1, min(_SCRATCH_BYTES, regions.piece_bytes) // buf.element_size())
+            scratch = regions.view(r, h, buf.dtype, k)
+            for lo in range(0, b - a, k):
+                hi = min(b - a, lo + k)
+                _reduce_into(op, scratch[: hi - lo], [x[lo:hi] for x in operands])
+                buf[a + lo : a + hi].copy_(scratch[: hi - lo])
+        finish(op, buf[a:b], n)
+    regions.step(everyone)
+    for q in everyone:
+        qa, qb = bounds[q], bounds[q + 1]
+        if q != r and qb > qa:
+            buf[qa:qb].copy_(bufs[q][qa:qb])
+    regions.step(everyone)
+    regions.end_piece()

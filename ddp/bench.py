@@ -17,6 +17,10 @@ one copy of it per *variant*, each with its own SGD optimizer:
   per value of ``--bucket-mb`` (``inf``: a single bucket, i.e. no overlap at all);
 * ``local``: the bare model, same step, no communication: the floor every DDP row pays on top of.
 
+``--grad-view`` builds both DDPs with ``gradient_as_bucket_view=True``: the gradients are views
+into the buckets, so neither copies them into a bucket before the all-reduce nor back after it
+(two copies of the gradients per step; on shared memory these are a large part of the cost).
+
 ``--comm-hook`` (comma list of ``none``, ``allreduce``, ``fp16``, ``bf16``) repeats the two DDP
 kinds per comm hook: ours with ``ddp.comm_hooks.<hook>``, torch's with the same hook from
 ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks`` (``none``: no hook registered).
@@ -64,6 +68,10 @@ Reading the table
     extra step per variant runs under ``collectives.trace`` before the timing and the bytes of its
     collectives are summed. Torch's is computed (gradient bytes, halved by fp16/bf16 hooks). With
     a ring all-reduce each rank sends ``2(n-1)/n`` times this over the wire.
+
+``comm`` / ``comm/torch``
+    the step minus the local step: what data parallelism costs this row per step, and that cost
+    over torch DDP's (same comm hook): ``< 1`` means our communication costs less than torch's.
 
 ``sync`` is ``ok`` when every rank ended with bitwise identical parameters (checked after the
 timing), as data parallelism requires.
@@ -133,6 +141,7 @@ class Config:
     bucket_mb: tuple[float, ...] = (25.0,)
     comm_hooks: tuple[str, ...] = ("none",)
     first_bucket_mb: float | None = None
+    grad_view: bool = False
     warmup: int = 1
     rounds: int = 10
     steps: int = 3
@@ -264,14 +273,19 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     variants = []
     for hook in cfg.comm_hooks:
         suffix = "" if hook == "none" else f" {hook}"
-        model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group.process_group)
+        model = torch.nn.parallel.DistributedDataParallel(
+            copy.deepcopy(base), process_group=group.process_group, gradient_as_bucket_view=cfg.grad_view
+        )
         if hook != "none":
             model.register_comm_hook(group.process_group, _hooks(hook)[1])
         variants.append(_Variant(f"torch:{hook}", f"torch DDP{suffix}", "torch", model, cfg.lr, hook=hook))
     for mb in cfg.bucket_mb:
         for hook in cfg.comm_hooks:
             suffix = "" if hook == "none" else f" {hook}"
-            model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb, first_bucket_cap_mb=cfg.first_bucket_mb)
+            model = DistributedDataParallel(
+                copy.deepcopy(base), bucket_cap_mb=mb, first_bucket_cap_mb=cfg.first_bucket_mb,
+                gradient_as_bucket_view=cfg.grad_view,
+            )
             if hook != "none":
                 model.register_comm_hook(None, _hooks(hook)[0])
             name = f"ours {_mb_label(mb)} MB{suffix}"
@@ -353,11 +367,15 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             row["launched_during_backward"] = None
         rows.append(row)
     torch_ms = {r["comm_hook"]: r["step_ms"] for r in rows if r["kind"] == "torch"}
-    local_bwd = next(r["backward_ms"] for r in rows if r["kind"] == "local")
+    local = next(r for r in rows if r["kind"] == "local")
     for row in rows:
         reference = torch_ms.get(row["comm_hook"], torch_ms[cfg.comm_hooks[0]])
         row["speed_vs_torch"] = reference / row["step_ms"] if row["step_ms"] > 0 else float("nan")
-        row["backward_over_local_ms"] = row["backward_ms"] - local_bwd
+        row["backward_over_local_ms"] = row["backward_ms"] - local["backward_ms"]
+        row["comm_ms"] = None if row["kind"] == "local" else row["step_ms"] - local["step_ms"]
+    for row in rows:
+        torch_comm = (torch_ms.get(row["comm_hook"], torch_ms[cfg.comm_hooks[0]])) - local["step_ms"]
+        row["comm_vs_torch"] = None if row["comm_ms"] is None or torch_comm <= 0 else row["comm_ms"] / torch_comm
     return {
         "config": {k: (list(map(_mb_json, v)) if k == "bucket_mb" else _mb_json(v) if k == "first_bucket_mb" else v)
                    for k, v in dataclasses.asdict(cfg).items()},
@@ -371,7 +389,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
 _COLUMNS = (
     ("variant", 22, "<"), ("buckets", 7, ">"), ("MB/step", 8, ">"), ("step ms", 9, ">"), ("min", 8, ">"), ("forward", 8, ">"),
     ("backward", 9, ">"), ("optim", 7, ">"), ("wait", 7, ">"), ("launched", 9, ">"), ("bwd-local", 10, ">"),
-    ("vs torch", 9, ">"), ("sync", 5, ">"),
+    ("vs torch", 9, ">"), ("comm", 6, ">"), ("comm/torch", 10, ">"), ("sync", 5, ">"),
 )  # fmt: skip
 
 
@@ -391,7 +409,8 @@ def format_table(summary: dict[str, Any]) -> str:
             r["name"], buckets, num(r["comm_mib"], ".2f"), num(r["step_ms"]), num(r["step_min_ms"]), num(r["forward_ms"]),
             num(r["backward_ms"]), num(r["optim_ms"]), num(r["wait_ms"]), launched,
             "-" if r["kind"] == "local" else f"{r['backward_over_local_ms']:+.1f}",
-            num(r["speed_vs_torch"], ".2f") + "x", sync,
+            num(r["speed_vs_torch"], ".2f") + "x", num(r["comm_ms"]),
+            "-" if r["comm_vs_torch"] is None else f"{r['comm_vs_torch']:.2f}x", sync,
         )  # fmt: skip
         lines.append(" ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS)))
     return "\n".join(lines)
@@ -458,6 +477,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--bucket-mb", type=_parse_mb_list, default=(25.0,), help="comma list of our bucket caps in MiB, 'inf' = one bucket (default 25)")
     p.add_argument("--comm-hook", type=_parse_hooks, default=("none",), help=f"comma list of comm hooks to compare, from {', '.join(COMM_HOOKS)} (default none)")
     p.add_argument("--first-bucket-mb", type=float, default=None, help="cap of our first bucket (default: the bucket cap; torch uses 1)")
+    p.add_argument("--grad-view", action="store_true",
+                   help="both DDPs with gradient_as_bucket_view=True: gradients live in the buckets (no copy in or out)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--steps", type=int, default=3, help="steps of each variant per round (default 3)")
@@ -478,7 +499,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         p.error(f"--backend {a.backend}: this benchmark runs on CPU tensors")
     cfg = Config(
         world_size=a.world_size, width=a.width, layers=a.layers, batch=a.batch, bucket_mb=a.bucket_mb, comm_hooks=a.comm_hook,
-        first_bucket_mb=a.first_bucket_mb, warmup=a.warmup, rounds=a.rounds, steps=a.steps, lr=a.lr,
+        first_bucket_mb=a.first_bucket_mb, grad_view=a.grad_view, warmup=a.warmup, rounds=a.rounds, steps=a.steps, lr=a.lr,
         backend=a.backend, threads=a.threads, seed=a.seed, timeout=a.timeout,
     )  # fmt: skip
     return cfg, a
@@ -502,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.world_size} ranks x {summary['threads_per_rank']} thread(s), {cfg.layers} x Linear({cfg.width}) "
         f"({summary['params'] / 1e6:.1f} M params), batch {cfg.batch}/rank, "
         f"{cfg.rounds} rounds x {cfg.steps} steps per variant, medians in ms ({summary['seconds']:.0f} s)"
+        + (", gradient_as_bucket_view=True" if cfg.grad_view else "")
     )
     print(format_table(summary))
     sys.stdout.flush()

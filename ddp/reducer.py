@@ -85,19 +85,33 @@ class Bucket:
         index: launch order (bucket 0 first).
         param_indices: the parameters' indices in the Reducer's list, in buffer order.
         params: those parameters.
-        buffer: the flat buffer (one dtype, one device).
+        buffer: the flat buffer (one dtype, one device), zeroed, from ``make_buffer(numel,
+            dtype, device)`` (default ``torch.zeros``). The Reducer puts CPU buckets in
+            symmetric memory (:func:`collectives.symmetric_empty`): over ``shm`` the peers read
+            them in place, so the all-reduce copies nothing into shared memory first.
         views: ``views[k]`` is ``params[k]``'s slot in ``buffer``, shaped like the parameter.
         info: the readable :class:`~ddp.bucket.BucketInfo`.
     """
 
     __slots__ = ("index", "param_indices", "params", "buffer", "views", "info")
 
-    def __init__(self, index: int, param_indices: list[int], params: Sequence[nn.Parameter], names: Sequence[str]):
+    def __init__(
+        self,
+        index: int,
+        param_indices: list[int],
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        make_buffer: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+    ):
         self.index = index
         self.param_indices = param_indices
         self.params = [params[i] for i in param_indices]
         numel = sum(p.numel() for p in self.params)
-        self.buffer = torch.zeros(numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        dtype, device = self.params[0].dtype, self.params[0].device
+        if make_buffer is None:
+            self.buffer = torch.zeros(numel, dtype=dtype, device=device)
+        else:
+            self.buffer = make_buffer(numel, dtype, device).zero_()
         self.views = _views(self.buffer, self.params)
         self.info = BucketInfo(
             index=index,
@@ -296,7 +310,7 @@ class Reducer:
         self.group = group
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.buckets = [Bucket(b, idx, self.params, self.names) for b, idx in enumerate(layout)]
+        self.buckets = [Bucket(b, idx, self.params, self.names, self._bucket_buffer) for b, idx in enumerate(layout)]
         self._slot_of: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
@@ -315,6 +329,12 @@ class Reducer:
                     for slot, p in enumerate(bucket.params):
                         if p.grad is not None:
                             bucket.fill(slot, as_view=True)
+
+    def _bucket_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """CPU buckets live in symmetric memory: over ``shm`` the peers read them in place."""
+        if device.type == "cpu":
+            return collectives.symmetric_empty(numel, dtype=dtype, group=self.group)
+        return torch.empty(numel, dtype=dtype, device=device)
 
     # ------------------------------------------------------------------ comm hook
 

@@ -3,7 +3,9 @@
     python scripts/api_coverage.py            # rewrite docs/api-coverage.md
     python scripts/api_coverage.py --check    # exit 1 if the file is out of date
 
-A public name is one in ``dir(torch.distributed)`` without a leading underscore. Every name is
+A public name is one in ``dir(torch.distributed)`` without a leading underscore, as a fresh
+interpreter sees it right after ``import torch.distributed`` (read in a subprocess: submodules such
+as ``torch.distributed.fsdp`` become attributes once anything imports them). Every name is
 either provided by ``collectives`` (``hasattr``) or listed in ``MISSING`` with the reason; a name
 in neither makes the script fail, so a torch upgrade that adds names cannot go unnoticed.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import subprocess
 import sys
 import types
 import warnings
@@ -139,11 +142,18 @@ def _kind(obj: object) -> str:
     return "value"
 
 
+def public_names() -> list[str]:
+    """``dir(torch.distributed)`` of a fresh interpreter, without the private names, sorted."""
+    code = "import torch.distributed as d; print('\\n'.join(n for n in dir(d) if not n.startswith('_')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return sorted(done.stdout.split())
+
+
 def rows() -> list[tuple[str, str, str, str]]:
     """(name, kind, status, note) for every public name of torch.distributed, sorted."""
     out = []
     unclassified = []
-    for name in sorted(n for n in dir(tdist) if not n.startswith("_")):
+    for name in public_names():
         with warnings.catch_warnings():  # deprecated names warn when read
             warnings.simplefilter("ignore", FutureWarning)
             theirs = getattr(tdist, name)

@@ -19,8 +19,14 @@ creating process's pid (``rdh<pid>x<k>-h0``), and every new :class:`HostNet` fir
 namespaces of earlier runs whose process is gone (crashed or SIGKILLed).
 
 Needs root, ``ip`` and ``tc`` (iproute2); :func:`unavailable` says why not, for skipping tests.
-``link`` is any ``tc qdisc`` spec: ``"netem delay 1ms rate 1gbit"`` needs a kernel with
-``CONFIG_NET_SCH_NETEM``; ``"tbf rate 1gbit burst 256kb latency 50ms"`` shapes bandwidth only.
+``link`` is any ``tc qdisc`` spec: ``"tbf rate 1gbit burst 256kb latency 50ms"`` shapes bandwidth
+only; ``"netem delay 1ms rate 1gbit"`` adds latency. Where the kernel has no netem qdisc (built
+without ``CONFIG_NET_SCH_NETEM``), a netem link is emulated in userspace instead, with a warning:
+each host's ``eth0`` is then a TUN device and :mod:`collectives.testing.linkemu` (one Python process,
+on the same cores as the ranks) forwards the packets between hosts with netem's ``delay``, ``rate``
+and ``limit`` (nothing else; other keywords raise ValueError). ``emulator="user"`` forces it,
+``"tc"`` forbids it; :func:`link_unavailable` says whether a spec can be had either way. The
+emulator needs ``/dev/net/tun``; it dies with the process that made the :class:`HostNet`.
 
 Note: every namespace of one machine still shares ``/dev/shm`` and the file system. Host identity
 for topology therefore includes the network namespace (:func:`collectives.group.host_key`):
@@ -30,11 +36,13 @@ two ranks in different namespaces are on different hosts and must talk over the 
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
 import pickle
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -43,12 +51,17 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..launch import Report
+from . import linkemu
 
 log = logging.getLogger(__name__)
 
 PREFIX = "rdh"
 SUBNET = "198.18.0"  # host i is SUBNET.(i + 1)/24
 PORT = 29500  # free by construction: host 0's namespace is ours
+EMULATORS = ("auto", "tc", "user")
+TUN_MTU = 65000  # the userspace emulator's eth0: few, large packets keep the Python forwarder cheap
+FORWARDER = linkemu.__file__  # run as a script: the forwarder imports no torch
+FORWARDER_START_S = 10.0
 _counter = itertools.count()
 _live: set["HostNet"] = set()
 
@@ -81,14 +94,31 @@ def unavailable() -> str | None:
     return None
 
 
-def link_unavailable(spec: str) -> str | None:
-    """Why the ``tc qdisc`` spec ``spec`` (e.g. ``"netem delay 1ms"``) cannot shape a link here, or None."""
-    with HostNet(hosts=1) as net:
-        try:
-            net.shape(0, spec)
-        except HostNetError as exc:
-            return str(exc)
+def link_unavailable(spec: str, emulator: str = "auto") -> str | None:
+    """Why the link ``spec`` (e.g. ``"netem delay 1ms"``) cannot be had here with ``emulator``, or None."""
+    try:
+        with HostNet(hosts=1, link=spec, emulator=emulator):
+            pass
+    except (HostNetError, ValueError) as exc:
+        return str(exc)
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def netem_missing() -> bool:
+    """Whether this kernel lacks the netem qdisc (probed once in a scratch namespace; logs a warning)."""
+    name = f"{PREFIX}{os.getpid()}probe"
+    _ip("netns", "add", name)
+    try:
+        done = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "netem"],
+                              capture_output=True, text=True)
+    finally:
+        _ip("netns", "del", name, check=False)
+    missing = done.returncode != 0 and "unknown" in done.stderr
+    if missing:
+        log.warning("this kernel has no netem qdisc (tc: %s): HostNet emulates netem links in userspace "
+                    "(collectives.testing.linkemu, on the same cores as the ranks)", done.stderr.strip())
+    return missing
 
 
 def sweep() -> list[str]:
@@ -119,25 +149,41 @@ class HostNet:
     Args:
         hosts: number of emulated hosts (1..250).
         link: ``tc qdisc`` spec applied to every host's ``eth0`` (its outgoing traffic), e.g.
-            ``"netem delay 1ms rate 1gbit"``; None leaves the veth unshaped.
+            ``"netem delay 1ms rate 1gbit"``; None leaves the link unshaped.
+        emulator: who applies a ``netem`` link: ``"tc"`` (the kernel's qdisc on a veth),
+            ``"user"`` (:mod:`~collectives.testing.linkemu` between TUN devices; delay, rate and
+            limit only) or ``"auto"`` (tc where the kernel has netem, else user).
     """
 
-    def __init__(self, hosts: int = 2, link: str | None = None):
+    def __init__(self, hosts: int = 2, link: str | None = None, emulator: str = "auto"):
         if not 1 <= hosts <= 250:
             raise ValueError(f"HostNet: hosts must be 1..250, got {hosts}")
+        if emulator not in EMULATORS:
+            raise ValueError(f"HostNet: emulator must be one of {EMULATORS}, got {emulator!r}")
+        netem = bool(link) and link.split()[:1] == ["netem"]
+        if emulator == "user" and not netem:
+            raise ValueError(f"HostNet: emulator='user' emulates netem links ({linkemu.SUPPORTED}), got {link!r}")
         self.hosts = hosts
         self.link = link
+        self.emulator = emulator
+        # the userspace emulator's settings; None: links are veths on a bridge, shaped (or not) by tc
+        self.emulated: linkemu.LinkSpec | None = linkemu.LinkSpec.parse(link) if emulator == "user" else None
+        self._netem = netem
         self.tag = f"{PREFIX}{os.getpid()}x{next(_counter)}"
         self.bridge_ns = f"{self.tag}-br"
         self.namespaces = [f"{self.tag}-h{i}" for i in range(hosts)]
         self._procs: list[subprocess.Popen] = []
         self._made: list[str] = []
+        self._forwarder: subprocess.Popen | None = None
+        self._forwarder_log: Any = None
 
     def address(self, host: int) -> str:
         return f"{SUBNET}.{host + 1}"
 
     def __enter__(self) -> "HostNet":
         sweep()
+        if self.emulator == "auto" and self._netem and netem_missing():
+            self.emulated = linkemu.LinkSpec.parse(self.link)  # ValueError names what it supports
         _live.add(self)
         try:
             self._build()
@@ -150,21 +196,48 @@ class HostNet:
         self.close()
 
     def _build(self) -> None:
-        self._made.append(self.bridge_ns)
-        _ip("netns", "add", self.bridge_ns)
-        _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-        for i, ns in enumerate(self.namespaces):
+        for ns in (self.bridge_ns, *self.namespaces):
             self._made.append(ns)
             _ip("netns", "add", ns)
-            port = f"p{i}"
-            _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
-            _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0", "up")
+        if self.emulated is None:
+            _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        else:
+            self._start_forwarder()
+        for i, ns in enumerate(self.namespaces):
+            if self.emulated is None:
+                port = f"p{i}"
+                _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
+                _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0", "up")
+            else:  # the forwarder's TUN device t<i> becomes the host's eth0; the forwarder keeps its fd
+                _ip("-n", self.bridge_ns, "link", "set", f"t{i}", "netns", ns)
+                _ip("-n", ns, "link", "set", f"t{i}", "name", "eth0", "mtu", str(TUN_MTU))
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            if self.link:
+            if self.link and self.emulated is None:
                 self.shape(i, self.link)
+
+    def _start_forwarder(self) -> None:
+        """Start :mod:`~collectives.testing.linkemu` in the bridge's namespace; wait until its TUN devices exist."""
+        argv = [sys.executable, "-I", FORWARDER, "--names", ",".join(f"t{i}" for i in range(self.hosts)),
+                "--addresses", ",".join(map(self.address, range(self.hosts))), *self.emulated.argv()]
+        output = tempfile.TemporaryFile()
+        proc = self._popen(self.bridge_ns, argv, stdout=subprocess.PIPE, stderr=output)
+        line = proc.stdout.readline() if select.select([proc.stdout], [], [], FORWARDER_START_S)[0] else None
+        proc.stdout.close()
+        if line != b"ready\n":
+            if line is None:
+                proc.kill()
+            try:
+                code = proc.wait(timeout=5)  # it is exiting: EOF before "ready"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            why = f"did not start within {FORWARDER_START_S:.0f} s" if line is None else f"exited with code {code}"
+            with output:
+                raise HostNetError(f"the userspace link emulator {why}: {_tail(output)}")
+        self._forwarder, self._forwarder_log = proc, output
 
     def shape(self, host: int, spec: str) -> None:
         """Replace the qdisc on ``host``'s ``eth0`` with the ``tc qdisc`` spec ``spec``."""
@@ -172,19 +245,23 @@ class HostNet:
         argv += spec.split()
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
-            hint = " (this kernel lacks CONFIG_NET_SCH_NETEM; use a tbf spec for bandwidth only)" if (
+            hint = " (this kernel lacks CONFIG_NET_SCH_NETEM; emulator='auto' or 'user' emulates netem in userspace)" if (
                 "netem" in spec and "unknown" in done.stderr) else ""
             raise HostNetError(f"tc qdisc {spec!r} on host {host}: {done.stderr.strip()}{hint}")
 
     def set_link(self, host: int, up: bool) -> None:
-        """Take ``host``'s network link down (or up again): its eth0 and its port on the bridge."""
+        """Take ``host``'s network link down (or up again): its eth0 and its port on the bridge (if bridged)."""
         state = "up" if up else "down"
         _ip("-n", self.namespaces[host], "link", "set", "eth0", state)
-        _ip("-n", self.bridge_ns, "link", "set", f"p{host}", state)
+        if self.emulated is None:
+            _ip("-n", self.bridge_ns, "link", "set", f"p{host}", state)
 
     def popen(self, host: int, argv: Sequence[str], env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
         """Start ``argv`` inside ``host``'s namespace; stopped by :meth:`close` if still running."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *argv], env=env, **kw)
+        return self._popen(self.namespaces[host], argv, env=env, **kw)
+
+    def _popen(self, ns: str, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **kw)
         self._procs.append(proc)
         return proc
 
@@ -260,12 +337,24 @@ class HostNet:
 
     def close(self) -> None:
         """Stop every process started here and delete every namespace (idempotent)."""
+        if self._forwarder is not None:
+            if self._forwarder.poll() is not None:  # it should run until killed here: say why it did not
+                log.warning("the userspace link emulator exited early (code %s): %s",
+                            self._forwarder.returncode, _tail(self._forwarder_log))
+            self._forwarder_log.close()
+            self._forwarder = None
         self._stop(self._procs)
         self._procs.clear()
         for ns in reversed(self._made):
             _ip("netns", "del", ns, check=False)
         self._made.clear()
         _live.discard(self)
+
+
+def _tail(f: Any) -> str:
+    """The end of what a child wrote to the temporary file ``f``."""
+    f.seek(0)
+    return f.read().decode(errors="replace").strip()[-2000:] or "no output"
 
 
 def _read(tmp: str, rank: int, code: int) -> Report:

@@ -144,6 +144,9 @@ class SharedRegions(abc.ABC):
       between a ``step`` that waited for it and ``end_piece``.
     * ``end_piece()`` publishes that this rank no longer reads anybody's half ``h``.
 
+    A transport may also offer symmetric memory (:meth:`allocate`): buffers the user computes in
+    that every peer reads in place, so an all-reduce needs no copy into the regions at all.
+
     Every wait has the transport's deadline and raises
     :class:`~collectives.errors.CollectiveError` naming the operation and the peer.
     """
@@ -168,6 +171,16 @@ class SharedRegions(abc.ABC):
     @abc.abstractmethod
     def end_piece(self) -> None:
         """Finish the current piece: this rank reads no region's half of it any more."""
+
+    def allocate(self, nbytes: int) -> list[torch.Tensor] | None:
+        """Optional: *symmetric memory*, ``nbytes`` on every rank that every rank can read and write.
+
+        Collective: every rank calls it in the same order with the same ``nbytes``. Returns one
+        ``uint8`` tensor per rank (``[q]``: rank ``q``'s memory as mapped here), or None on every
+        rank alike when it cannot (the default). Collectives on tensors that live there skip the
+        copy into the regions (``shm_algorithms.all_reduce_symmetric``).
+        """
+        return None
 
 
 def wait_all(requests: Sequence[Request]) -> None:

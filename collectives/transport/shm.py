@@ -285,6 +285,8 @@ class ShmTransport(Transport, SharedRegions):
         self._published_header: wire.Header | None = None  # the one whose fields are in shared memory
         self._maps: list[mmap.mmap | None] = []
         self._socks: dict[Peer, socket.socket] = {}
+        self._allocations = 0  # symmetric allocations made (see allocate)
+        self._allocated: list[mmap.mmap] = []
 
     def operation(self, name: str) -> ContextManager[None]:
         """Label the traffic; a checked collective (:func:`collectives.wire.current`) is numbered,
@@ -376,9 +378,12 @@ class ShmTransport(Transport, SharedRegions):
         else:
             theirs, mine = self._header_of(q), self._mine(q)
             what = f"this rank ({self.rank}) called {wire.describe(torch.tensor(mine))}; rank {q} called "
-            if theirs is not None:
-                diffs = wire.compare(mine, theirs)
-                what += f"{wire.describe(torch.tensor(theirs))}; they differ in {', '.join(diffs) or 'sizes'}"
+            diffs = wire.compare(mine, theirs) if theirs is not None else []
+            if diffs:
+                what += f"{wire.describe(torch.tensor(theirs))}; they differ in {', '.join(diffs)}"
+            elif theirs is not None:  # equal headers, different pieces (symmetric memory on one rank, offsets)
+                what += "the same; yet their pieces say they ran a different collective or size (a tensor in "
+                what += "symmetric memory on some ranks only, or at different offsets in it)"
             else:
                 what += "another collective"
         return CollectiveError(
@@ -436,7 +441,7 @@ class ShmTransport(Transport, SharedRegions):
         fd = -1
         failure = ""
         try:
-            fd = self._create_segment()
+            fd = self._create_segment(self._size)
         except (OSError, ShmUnavailableError) as exc:
             failure = str(exc)
         store.set(f"{key}/ok/{rank}", f"fail {failure}" if failure else f"ok {_machine()}")
@@ -451,9 +456,9 @@ class ShmTransport(Transport, SharedRegions):
             q, text = failures[0]
             raise ShmUnavailableError(text if q == rank else f"shm: rank {q} could not set up: {text}")
         try:
-            fds = self._connect(fd, deadline)
+            fds, self._socks = self._exchange_fds(fd, deadline, "")
             for q, peer_fd in fds.items():
-                self._maps[q] = self._map(peer_fd)
+                self._maps[q] = self._map(peer_fd, self._size)
                 if peer_fd != fd:
                     os.close(peer_fd)
         except OSError as exc:  # the ranks agreed they can share memory: a peer failed mid-way
@@ -515,8 +520,8 @@ class ShmTransport(Transport, SharedRegions):
 
     # ---- set-up ----------------------------------------------------------------------------
 
-    def _create_segment(self) -> int:
-        """An unnamed, fully reserved file of ``self._size`` bytes on the segment file system."""
+    def _create_segment(self, size: int) -> int:
+        """An unnamed, fully reserved file of ``size`` bytes on the segment file system."""
         directory = self.config.directory
         try:
             fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
@@ -525,7 +530,7 @@ class ShmTransport(Transport, SharedRegions):
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.unlink(path)
         try:
-            os.posix_fallocate(fd, 0, self._size)
+            os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             os.close(fd)
             if exc.errno not in (errno.ENOSPC, errno.EFBIG):
@@ -536,35 +541,38 @@ class ShmTransport(Transport, SharedRegions):
             except OSError:
                 free = "free space unknown"
             raise ShmUnavailableError(
-                f"shm: {directory} is too small: rank {self.rank} needs {self._size} bytes "
-                f"({self._size / 2**20:.1f} MiB; {free}). Fix: enlarge it (docker run --shm-size=1g, or "
+                f"shm: {directory} is too small: rank {self.rank} needs {size} bytes "
+                f"({size / 2**20:.1f} MiB; {free}). Fix: enlarge it (docker run --shm-size=1g, or "
                 f"mount -o remount,size=1G {directory}), point RINGDDP_SHM_DIR at a larger tmpfs, shrink "
                 "RINGDDP_SHM_REGION_BYTES / RINGDDP_SHM_SLOT_BYTES, or use backend='p2p'"
             ) from exc
         return fd
 
-    def _address(self, q: int) -> bytes:
-        return f"\0ringddp-shm-{self._uid}-{q}".encode()
+    def _address(self, q: int, channel: str) -> bytes:
+        return f"\0ringddp-shm-{self._uid}-{q}{channel}".encode()
 
-    def _connect(self, fd: int, deadline: float) -> dict[Peer, int]:
-        """Exchange segment fds with every peer over abstract unix sockets; keep the sockets.
+    def _exchange_fds(self, fd: int, deadline: float, channel: str) -> tuple[dict[Peer, int], dict[Peer, socket.socket]]:
+        """Exchange segment fds with every peer over abstract unix sockets; return the fds and sockets.
+
+        ``channel`` tells the exchanges of one job apart (the transport's own segments: ``""``).
 
         Rank ``r`` connects to every lower rank and accepts every higher one; a connection only
         waits for a lower rank, so the set-up cannot deadlock.
         """
         n, r = self.world_size, self.rank
         fds = {r: fd}
+        socks: dict[Peer, socket.socket] = {}
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            listener.bind(self._address(r))
+            listener.bind(self._address(r, channel))
             listener.listen(n)
             for q in range(r):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._socks[q] = s
+                socks[q] = s
                 while True:
                     s.settimeout(max(0.001, deadline - time.monotonic()))
                     try:
-                        s.connect(self._address(q))
+                        s.connect(self._address(q, channel))
                         break
                     except (ConnectionRefusedError, FileNotFoundError):
                         if time.monotonic() > deadline:
@@ -580,12 +588,16 @@ class ShmTransport(Transport, SharedRegions):
                 if len(data) != 4 or len(got) != 1:
                     raise ConnectionError("malformed hello from a peer")
                 q = struct.unpack("<i", data)[0]
-                self._socks[q] = s
+                socks[q] = s
                 fds[q] = got[0]
                 socket.send_fds(s, [struct.pack("<i", r)], [fd])
+        except BaseException:
+            for s in socks.values():
+                s.close()
+            raise
         finally:
             listener.close()
-        return fds
+        return fds, socks
 
     @staticmethod
     def _receive_fd(s: socket.socket, q: int) -> int:
@@ -594,11 +606,12 @@ class ShmTransport(Transport, SharedRegions):
             raise ConnectionError(f"malformed reply from rank {q}")
         return got[0]
 
-    def _map(self, fd: int) -> mmap.mmap:
-        if os.fstat(fd).st_size != self._size:
-            raise ConnectionError(f"peer segment has {os.fstat(fd).st_size} bytes, expected {self._size}")
+    @staticmethod
+    def _map(fd: int, size: int) -> mmap.mmap:
+        if os.fstat(fd).st_size != size:
+            raise ConnectionError(f"peer segment has {os.fstat(fd).st_size} bytes, expected {size}")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, self._size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     # ---- waiting ---------------------------------------------------------------------------
 
@@ -858,6 +871,53 @@ class ShmTransport(Transport, SharedRegions):
         if checked == self.world_size - 1:
             self._verified = self._seq
 
+    def allocate(self, nbytes: int) -> list[torch.Tensor] | None:
+        """Symmetric memory: ``nbytes`` on every rank, in a segment of its own that every rank maps.
+
+        Collective (every rank calls it, in the same order, with the same ``nbytes``). Returns
+        ``nbytes`` views, one per rank (``[q]`` is rank ``q``'s memory; ``[self.rank]`` is this
+        rank's), or None on every rank alike when some rank cannot create its segment (the file
+        system is full) or shared memory is not in use; the reason is logged. The segments are
+        unnamed files like the transport's own and stay mapped until :meth:`close`.
+        """
+        if not self._ready():
+            return None
+        self._allocations += 1
+        key, rank, n = f"{self._key}/alloc/{self._allocations}", self.rank, self.world_size
+        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        deadline = time.monotonic() + self.timeout
+        fd, failure = -1, ""
+        try:
+            fd = self._create_segment(size)
+        except (OSError, ShmUnavailableError) as exc:
+            failure = str(exc)
+        self._store.set(f"{key}/{rank}", f"fail {failure}" if failure else "ok")
+        failures = [(q, text[5:]) for q in range(n) if (text := self._get(f"{key}/{q}", q, deadline)).startswith("fail ")]
+        if failures:
+            if fd >= 0:
+                os.close(fd)
+            q, text = failures[0]
+            log.warning("%s: no symmetric memory of %d bytes (rank %d: %s); using private memory", self.op, nbytes, q, text)
+            return None
+        maps: list[mmap.mmap] = []
+        try:
+            fds, socks = self._exchange_fds(fd, deadline, f"-alloc{self._allocations}")
+            for s in socks.values():
+                s.close()
+            for q in range(n):
+                maps.append(self._map(fds[q], size))
+                if fds[q] != fd:
+                    os.close(fds[q])
+        except OSError as exc:
+            raise CollectiveError(
+                f"{self.op}: exchanging symmetric memory with the peers failed (this is rank {rank} of {n}): {exc}",
+                op=self.op,
+            ) from exc
+        finally:
+            os.close(fd)
+        self._allocated.extend(maps)
+        return [torch.frombuffer(m, dtype=torch.uint8)[:nbytes] for m in maps]  # type: ignore[arg-type]
+
     # ---- teardown --------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -873,10 +933,11 @@ class ShmTransport(Transport, SharedRegions):
         self._bytes = []
         self._halves = []
         self._views = {}
-        for i, m in enumerate(self._maps):
+        for m in [*self._maps, *self._allocated]:
             if m is not None:
                 try:
                     m.close()
                 except BufferError:  # a caller still holds a view; the mapping goes with it
                     pass
-            self._maps[i] = None
+        self._maps = [None] * len(self._maps)
+        self._allocated = []

@@ -1,7 +1,8 @@
 """A transport over a subset of another transport's ranks (no new connections).
 
-Hierarchical collectives run ordinary algorithms (ring, recursive doubling) among the ranks of
-one host, then among one rank per host. :class:`SubsetTransport` presents ``members`` of a
+Hierarchical collectives run ordinary algorithms (ring, recursive doubling) among one rank per
+host (a rail), and among the ranks of one host where those cannot share memory (else they use a
+shared-memory transport of their own). :class:`SubsetTransport` presents ``members`` of a
 parent transport as ranks ``0 .. len(members) - 1`` and forwards every message to the parent, so
 those algorithms run unchanged on the subset. The parent's ordering contract carries over: the
 phases of one collective run one after another, and messages between a pair stay in order.

@@ -31,6 +31,14 @@ def test_predictions_follow_the_formulas():
     assert ring == pytest.approx(6 * 1e-3 + 1.5 * s * 8e-9)
     hier = predict("all_reduce", s, TWO_BY_TWO, net, local, algorithm="hierarchical")
     assert hier == pytest.approx(2 * 5e-5 + s * 5e-10 + 2 * 1e-3 + s * 8e-9)
+    # intra-host phases over shared memory: two synchronisations and 2.5 copies of S at two ranks per host
+    shm = Link(2e-5, 1e-10)
+    over_shm = predict("all_reduce", s, TWO_BY_TWO, net, local, algorithm="hierarchical", shm=shm)
+    assert over_shm == pytest.approx(2 * 2e-5 + 2.5 * s * 1e-10 + 2 * 1e-3 + s * 8e-9)
+    gather = predict("all_gather", s, TWO_BY_TWO, net, local, shm=shm)
+    assert gather == pytest.approx(2e-5 + s * 1e-10 + 1e-3 + s / 2 * 8e-9)
+    one_each = predict("all_reduce", s, Layout(((0,), (1,))), net, local, algorithm="hierarchical", shm=shm)
+    assert one_each == pytest.approx(2 * 1e-3 + s * 8e-9)  # one rank per host: no intra-host phase
     assert hier < ring and predict("all_reduce", 4096, TWO_BY_TWO, net, local, algorithm="hierarchical") < predict(
         "all_reduce", 4096, TWO_BY_TWO, net, local, algorithm="ring")
     assert algorithm_for("all_reduce", "auto", s, TWO_BY_TWO, Tuning()) == "hierarchical"

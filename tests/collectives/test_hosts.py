@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import threading
@@ -15,6 +16,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import collectives
 from collectives.group import get_default_group
@@ -102,6 +104,79 @@ def test_layout_from_namespaces():
     assert results == [(((0, 1), (2, 3)), 2, 2, 4.0)] * 4
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def hierarchical_against_torch(rank: int, world_size: int, sizes: list[int]) -> dict:
+    """Our hierarchical collectives next to torch's on the same inputs, and what the intra-host
+    phases ran over. Inputs are small integers, so every sum is exact whatever torch's order."""
+    records = _Records()
+    logging.getLogger("collectives").addHandler(records)
+    get_default_group().tuning.small_bytes = 64  # all_gather / reduce_scatter go hierarchical too
+    n, checks = world_size, {}
+    for numel in sizes:
+        x = torch.randint(-4, 5, (numel,), generator=torch.Generator().manual_seed(1000 * rank + numel)).float()
+        for op, ref_op in ((ReduceOp.SUM, dist.ReduceOp.SUM), (ReduceOp.MAX, dist.ReduceOp.MAX),
+                           (ReduceOp.AVG, dist.ReduceOp.SUM)):
+            ours, ref = x.clone(), x.clone()
+            collectives.all_reduce(ours, op, algorithm="hierarchical")
+            dist.all_reduce(ref, op=ref_op)
+            checks[f"all_reduce {op.name} {numel}"] = bitwise_equal(ours, ref / n if op is ReduceOp.AVG else ref)
+        ours, ref = x.clone(), x.clone()
+        collectives.broadcast(ours, n - 1, algorithm="hierarchical")
+        dist.broadcast(ref, n - 1)
+        checks[f"broadcast {numel}"] = bitwise_equal(ours, ref)
+        outs, refs = [torch.empty(numel) for _ in range(n)], [torch.empty(numel) for _ in range(n)]
+        collectives.all_gather(outs, x)
+        dist.all_gather(refs, x)
+        checks[f"all_gather {numel}"] = all(bitwise_equal(o, r) for o, r in zip(outs, refs))
+        ins = [x + i for i in range(n)]
+        ours, ref = torch.empty(numel), torch.empty(numel)
+        collectives.reduce_scatter(ours, ins, ReduceOp.AVG)
+        dist.reduce_scatter(ref, ins)
+        checks[f"reduce_scatter AVG {numel}"] = bitwise_equal(ours, ref / n)
+    intra = get_default_group().engine(torch.device("cpu"), "test").hierarchy().intra
+    logging.getLogger("collectives").removeHandler(records)
+    return {"intra": (type(intra).__name__, intra.shared_regions() is not None), "checks": checks,
+            "warnings": records.messages}
+
+
+SIZES = [0, 1, 5, 1001, 3 * 257]
+
+
+def _failed(got: dict) -> list[str]:
+    return [name for name, ok in got["checks"].items() if not ok]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (2, 3)])
+def test_hierarchical_intra_host_phases_run_over_shared_memory(hosts, per_host):
+    env = {"RINGDDP_SHM_REGION_BYTES": "1024"}  # pieces of 512 bytes: many per call, on chunks of unequal size
+    with HostNet(hosts=hosts) as net:
+        results = net.launch(hierarchical_against_torch, per_host, SIZES, timeout=30, join_timeout=180, env=env)
+    for rank, got in enumerate(results):
+        assert got["intra"] == ("ShmTransport", True), f"rank {rank}: the intra-host phases ran over {got['intra']}"
+        assert not got["warnings"], got["warnings"]
+        assert all(got["checks"].values()), f"rank {rank} differs from torch: {_failed(got)}"
+
+
+@pytest.mark.timeout(120)
+def test_hierarchical_falls_back_to_the_group_transport_without_shared_memory(tmp_path):
+    env = {"RINGDDP_SHM_DIR": str(tmp_path / "missing")}
+    with HostNet(hosts=2) as net:
+        results = net.launch(hierarchical_against_torch, 2, SIZES[:4], timeout=30, join_timeout=100, env=env)
+    for rank, got in enumerate(results):
+        assert got["intra"] == ("ShmTransport", False), f"rank {rank}: {got['intra']}"
+        assert any("falling back" in w and "missing" in w for w in got["warnings"]), (rank, got["warnings"])
+        assert all(got["checks"].values()), f"rank {rank} differs from torch: {_failed(got)}"
+
+
 def all_reduce_until_error(rank: int, world_size: int, marker_dir: str) -> tuple:
     t = torch.ones(1 << 18)
     collectives.all_reduce(t)
@@ -115,7 +190,8 @@ def all_reduce_until_error(rank: int, world_size: int, marker_dir: str) -> tuple
 
 
 @pytest.mark.timeout(90)
-def test_link_down_mid_all_reduce_raises_everywhere(tmp_path):
+@pytest.mark.parametrize("link", [None, "netem delay 1ms"])  # a veth; a TUN device (where netem is emulated)
+def test_link_down_mid_all_reduce_raises_everywhere(tmp_path, link):
     timeout = 5.0
 
     def cut(net: HostNet) -> None:
@@ -124,7 +200,7 @@ def test_link_down_mid_all_reduce_raises_everywhere(tmp_path):
         time.sleep(0.2)
         net.set_link(1, up=False)
 
-    with HostNet(hosts=2) as net:
+    with HostNet(hosts=2, link=link) as net:
         threading.Thread(target=cut, args=(net,), daemon=True).start()
         started = time.monotonic()
         results = net.launch(all_reduce_until_error, 2, str(tmp_path), timeout=timeout, join_timeout=60)
@@ -133,6 +209,36 @@ def test_link_down_mid_all_reduce_raises_everywhere(tmp_path):
         assert op == "all_reduce", (rank, kind, op)
         assert after < 4 * timeout, f"rank {rank} raised {kind} only after {after:.1f}s"
     assert elapsed < 50
+
+
+def hierarchical_until_a_rank_exits(rank: int, world_size: int, marker_dir: str) -> None:
+    t = torch.ones(1 << 16)
+    collectives.all_reduce(t, algorithm="hierarchical")
+    open(os.path.join(marker_dir, f"ready{rank}"), "w").close()
+    while len([f for f in os.listdir(marker_dir) if f.startswith("ready")]) < world_size:
+        time.sleep(0.01)
+    if rank == 1:  # local rank 1 of host 0: its host peer waits on it in shared memory
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        while True:
+            collectives.all_reduce(t, algorithm="hierarchical")
+    except collectives.CollectiveError as exc:
+        with open(os.path.join(marker_dir, f"raised{rank}"), "w") as f:
+            f.write(f"{time.monotonic() - start} {exc.op}")
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_exiting_mid_hierarchical_all_reduce_makes_every_other_rank_raise(tmp_path):
+    timeout = 5.0
+    with pytest.raises(collectives.LaunchError, match="rank 1"):
+        with HostNet(hosts=2) as net:
+            net.launch(hierarchical_until_a_rank_exits, 2, str(tmp_path), timeout=timeout, join_timeout=60)
+    for rank in (0, 2, 3):
+        path = tmp_path / f"raised{rank}"
+        assert path.exists(), f"rank {rank} did not raise"
+        after, op = path.read_text().split()
+        assert op == "all_reduce" and float(after) < 2 * timeout, (rank, after, op)
 
 
 def fails(rank: int, world_size: int) -> None:
@@ -170,13 +276,3 @@ def test_bench_between_hosts_with_a_shaped_link(tmp_path, capsys):
     assert all(r["wrong"] == 0 and r["model_us"] > 0 for r in rows)
     assert rows[0]["net_beta"] > 2e-9  # the 1 Gbit/s bucket is slower than the veth
 
-
-def test_bench_refuses_a_missing_qdisc(capsys):
-    from collectives import bench
-    from collectives.testing.hosts import link_unavailable
-
-    if link_unavailable("netem delay 1ms") is None:
-        pytest.skip("this kernel has netem")
-    with pytest.raises(SystemExit):
-        bench.main(["--hosts", "2", "--netem", "delay 1ms rate 1gbit"])
-    assert "CONFIG_NET_SCH_NETEM" in capsys.readouterr().err

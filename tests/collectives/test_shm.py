@@ -329,5 +329,11 @@ def test_bench_shows_shm_and_memcpy_rows(capsys):
                        "--max-bytes", "64K", "--iters", "2"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "shm us" in out and "memcpy us" in out, out
-    assert len([line for line in out.splitlines() if line.startswith(("all_reduce", "all_gather"))]) == 2, out
+    assert "shm us" in out and "sym us" in out and "memcpy us" in out, out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("all_reduce", "all_gather"))}
+    assert len(rows) == 2, out
+    # all_reduce also ran on symmetric memory (a time), all_gather has no such variant ("-");
+    # the #wrong column (5th field after the count) covers every variant, sym included
+    sym_cell = lambda line: line.split("|")[6].split()[0]  # noqa: E731
+    assert sym_cell(rows["all_reduce"]) != "-" and sym_cell(rows["all_gather"]) == "-", out
+    assert all(line.split("|")[1].split()[3] == "0" for line in rows.values()), out

@@ -33,6 +33,10 @@ def test_bench_smoke(tmp_path, capsys):
     for name in ("torch DDP", "ours 25 MB", "ours 0 MB"):
         assert rows[name]["in_sync"], name
     assert rows["torch DDP"]["speed_vs_torch"] == pytest.approx(1.0)
+    assert rows["torch DDP"]["comm_vs_torch"] in (None, pytest.approx(1.0))  # None: torch no slower than local
+    assert rows["local (no comm)"]["comm_ms"] is None
+    for name in ("torch DDP", "ours 25 MB"):
+        assert rows[name]["comm_ms"] == pytest.approx(rows[name]["step_ms"] - rows["local (no comm)"]["step_ms"])
     # Our rows carry the reducer's statistics: 25 MB holds the whole model, 0 MB one bucket per tensor.
     assert rows["ours 25 MB"]["buckets"] == 1
     assert rows["ours 0 MB"]["buckets"] == 4
@@ -47,6 +51,19 @@ def test_bench_smoke(tmp_path, capsys):
     for name in rows:
         assert name in table
     assert "vs torch" in table
+
+
+@pytest.mark.timeout(120)
+def test_bench_grad_view_stays_in_sync(tmp_path):
+    out = tmp_path / "view.json"
+    argv = [
+        "--world-size", "2", "--width", "32", "--layers", "2", "--batch", "4", "--grad-view",
+        "--warmup", "0", "--rounds", "1", "--steps", "2", "--timeout", "60", "--quiet", "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    summary = json.loads(out.read_text())
+    assert summary["config"]["grad_view"] is True
+    assert all(r["in_sync"] for r in summary["rows"] if r["kind"] != "local")
 
 
 def test_bucket_list_parsing():
