@@ -42,8 +42,9 @@ Waiting
     waits for, fences, checks again and blocks in ``poll`` on its sockets to the peers. Whoever
     publishes a counter fences, reads the peers' ``sleeping`` words and writes one byte to the
     socket of each peer asleep on that event. A sleeping waiter costs its peers a system call
-    and itself a wake-up (on a VM about 200 µs), hence the spin. The same sockets report a dead peer (EOF: the kernel closes them when a process
-    dies, even by SIGKILL), and ``poll`` carries the group's deadline, so a stopped peer gives
+    and itself a wake-up (on a VM about 200 µs), hence the spin. The same sockets report a dead
+    peer (EOF: the kernel closes them when a process dies, even by SIGKILL), and ``poll``
+    carries the group's deadline, so a stopped peer gives
     a :class:`~collectives.errors.CollectiveTimeoutError` and a dead one a
     :class:`~collectives.errors.CollectiveError`, both naming the operation and the peer.
 """
