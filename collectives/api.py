@@ -70,16 +70,23 @@ def _check_async(async_op: object, op_name: str) -> None:
 # ---------------------------------------------------------------------------- flat views
 
 
-@contextlib.contextmanager
-def _flat(t: torch.Tensor, write_back: bool = True) -> Iterator[torch.Tensor]:
-    """A contiguous 1-D view of ``t``; for a non-contiguous ``t`` a copy that is written back."""
-    if t.is_contiguous():
-        yield t.view(-1)
-        return
-    flat = t.contiguous().view(-1)
-    yield flat
-    if write_back:
-        t.copy_(flat.view_as(t))
+class _flat:
+    """``with _flat(t) as buf``: a contiguous 1-D view of ``t``; for a non-contiguous ``t`` a copy,
+    written back when the block ends without error (unless ``write_back=False``)."""
+
+    __slots__ = ("tensor", "flat", "write_back")
+
+    def __init__(self, t: torch.Tensor, write_back: bool = True):
+        self.tensor, self.write_back = t, write_back
+        self.flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+    def __enter__(self) -> torch.Tensor:
+        return self.flat
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        t = self.tensor
+        if kind is None and self.write_back and not t.is_contiguous():
+            t.copy_(self.flat.view_as(t))
 
 
 @contextlib.contextmanager

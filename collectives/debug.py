@@ -12,6 +12,7 @@ per collective.
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from typing import TYPE_CHECKING, NamedTuple
@@ -51,16 +52,16 @@ _SPELLINGS = {"": DEFAULT_LEVEL, "0": "OFF", "FALSE": "OFF", "1": "DETAIL", "ON"
 
 def level() -> str:
     """The checking level from ``$RINGDDP_DEBUG`` (read per call; set it the same on every rank)."""
-    raw = os.environ.get("RINGDDP_DEBUG", "").strip().upper()
+    return _level(os.environ.get("RINGDDP_DEBUG", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _level(text: str) -> str:
+    raw = text.strip().upper()
     value = _SPELLINGS.get(raw, raw)
     if value not in LEVELS:
         raise ValueError(f"RINGDDP_DEBUG={raw!r}: expected one of {', '.join(LEVELS)}")
     return value
-
-
-def enabled() -> bool:
-    """True at ``RINGDDP_DEBUG=DETAIL``: all-gather each collective's signature first."""
-    return level() == "DETAIL"
 
 
 def signature(

@@ -188,17 +188,25 @@ class Group:
                 f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name
             )
         label = trace.current_label()  # read on the submitting thread
-        header = wire.header(signature, self.tuning, algorithm, sizes)
+        level = debug.level()
+        header = wire.header(signature, self.tuning, algorithm, sizes, level)
 
         def run() -> None:
             tracer = trace.active()
             start = time.perf_counter_ns() if tracer is not None else 0
             try:
                 mailbox.settle(self)  # receives posted by irecv take their messages before ours
-                if debug.enabled():
-                    debug.check_agreement(self, signature)
-                with torch.no_grad(), wire.expect(header):
-                    fn()
+                if level == "DETAIL":
+                    debug.check_agreement(self, signature)  # before the header: its own traffic
+                previous = wire.swap(header)
+                try:
+                    if torch.is_grad_enabled():
+                        with torch.no_grad():
+                            fn()
+                    else:  # already off (inside backward hooks, under no_grad): skip the context's cost
+                        fn()
+                finally:
+                    wire.swap(previous)
             except CollectiveError as exc:
                 self._mark_broken(exc)
                 raise
@@ -209,8 +217,10 @@ class Group:
 
         if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
             log.debug("%s on %s (rank %d)", debug.describe(signature), self.name, self._rank)
-        work = self._executor.submit(Work(name, result), run, async_op)
-        return work if async_op else None
+        if async_op:
+            return self._executor.submit(Work(name, result), run, True)
+        self._executor.call(name, run)  # inline when nothing is queued: no handle, no thread hop
+        return None
 
     def _mark_broken(self, error: CollectiveError) -> None:
         """Record the first communication failure; the group refuses further collectives."""

@@ -148,7 +148,7 @@ def aliasing(op_name: str, writes: Named, reads: Named = ()) -> list[bool]:
     must be copied before the collective runs, see :func:`staged`).
     """
     for what, t in writes:
-        if t.numel() > 1 and _self_overlaps(t):
+        if t.numel() > 1 and not t.is_contiguous() and _self_overlaps(t):  # contiguous: never
             raise ValueError(
                 f"{op_name}: {what} has elements that share memory (shape {tuple(t.shape)}, strides "
                 f"{t.stride()}, e.g. an expand()-ed view); the collective writes it, so every element "
@@ -156,6 +156,8 @@ def aliasing(op_name: str, writes: Named, reads: Named = ()) -> list[bool]:
             )
     w = len(writes)
     stage = [False] * len(reads)
+    if w + len(reads) < 2:  # one tensor (all_reduce, broadcast): nothing to overlap with
+        return stage
     for i, j in _overlapping_pairs([t for _, t in writes] + [t for _, t in reads]):
         if j < w:  # two outputs
             raise ValueError(

@@ -34,18 +34,17 @@ tags nor a side channel in its send/receive, so the NCCL transport ignores heade
 ``RINGDDP_DEBUG=DETAIL``, whose all-gathered signature runs over gloo).
 
 The public API builds the :class:`Header` of each call (:func:`header`) and makes it current for
-the transport with :func:`expect` around the collective's body; a transport reads it in
+the transport with :func:`swap` around the collective's body; a transport reads it in
 :meth:`~collectives.transport.base.Transport.operation` with :func:`current`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
 import zlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy
 import torch
@@ -105,10 +104,14 @@ class Header:
     def _fields(self) -> tuple[int, ...]:
         return (_code(self.collective), _code(self.dtype), self.numel, _code(self.op), self.root, _code(self.algorithm), self.tuning)
 
+    def fields(self, seq: int, peer: int) -> list[int]:
+        """The :data:`FIELDS` numbers of the header message for ``peer``."""
+        pair = (self.sends[peer], self.recvs[peer]) if self.sends is not None and self.recvs is not None else (-1, -1)
+        return [seq, *self._fields, *pair]
+
     def encode(self, seq: int, peer: int) -> torch.Tensor:
         """The header message for ``peer``."""
-        pair = (self.sends[peer], self.recvs[peer]) if self.sends is not None and self.recvs is not None else (-1, -1)
-        return torch.from_numpy(numpy.array([seq, *self._fields, *pair], dtype=numpy.int64))
+        return torch.from_numpy(numpy.array(self.fields(seq, peer), dtype=numpy.int64))
 
     @functools.cached_property
     def _hash(self) -> int:
@@ -124,9 +127,10 @@ def tag(base: int, nbytes: int) -> int:
     return (base + nbytes * 2654435761) % (HEADER_TAG - 2) + 2
 
 
-def compare(mine: torch.Tensor, theirs: torch.Tensor) -> list[str]:
+def compare(mine: torch.Tensor | Sequence[int], theirs: torch.Tensor | Sequence[int]) -> list[str]:
     """Names of the fields in which two header messages (as sent to each other) disagree."""
-    mine, theirs = mine.tolist(), theirs.tolist()
+    mine = mine.tolist() if isinstance(mine, torch.Tensor) else list(mine)
+    theirs = theirs.tolist() if isinstance(theirs, torch.Tensor) else list(theirs)
     if mine[:8] == theirs[:8] and mine[8] == theirs[9] and mine[9] == theirs[8]:
         return []
     diffs = [_NAMES[i] for i in range(8) if mine[i] != theirs[i]]
@@ -153,38 +157,39 @@ def header(
     tuning: Tuning,
     algorithm: str = "-",
     sizes: tuple[Sequence[int], Sequence[int]] | None = None,
+    level: str | None = None,
 ) -> Header | None:
     """The header of a call (None for calls that are not :data:`COLLECTIVES`).
 
-    At ``RINGDDP_DEBUG=OFF`` the header only makes the tags (``exchange=False``).
+    At ``RINGDDP_DEBUG=OFF`` (``level``, default: read now) the header only makes the tags
+    (``exchange=False``).
 
     ``sizes``: for all-to-all, (bytes sent to, bytes expected from) each group rank.
     """
     if signature.name not in COLLECTIVES:
         return None
     sends, recvs = (tuple(sizes[0]), tuple(sizes[1])) if sizes is not None else (None, None)
+    exchange = (debug.level() if level is None else level) != "OFF"
     return _header(signature.name, signature.dtype, signature.numel, signature.op, signature.root, algorithm,
-                   str(tuple(vars(tuning).values())), sends, recvs, debug.level() != "OFF")  # fmt: skip
+                   tuple(vars(tuning).values()), sends, recvs, exchange)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
-def _header(name: str, dtype: str, numel: int, op: str, root: int, algorithm: str, tuning: str,
+def _header(name: str, dtype: str, numel: int, op: str, root: int, algorithm: str, tuning: tuple,
             sends: tuple[int, ...] | None, recvs: tuple[int, ...] | None, exchange: bool) -> Header:  # fmt: skip
     """Headers are immutable: a training loop's repeated calls reuse one."""
-    return Header(name, dtype, numel, op, root, algorithm, _code(tuning), sends, recvs, exchange)
+    return Header(name, dtype, numel, op, root, algorithm, _code(str(tuning)), sends, recvs, exchange)
 
 
 _current = threading.local()
 
 
-@contextlib.contextmanager
-def expect(h: Header | None) -> Iterator[None]:
-    """Make ``h`` the header of the collective run inside the block (on this thread)."""
-    previous, _current.header = getattr(_current, "header", None), h
-    try:
-        yield
-    finally:
-        _current.header = previous
+def swap(h: Header | None) -> Header | None:
+    """Make ``h`` the header of the collective this thread runs next; returns the previous one
+    (restore it when the collective ends)."""
+    previous = getattr(_current, "header", None)
+    _current.header = h
+    return previous
 
 
 def current() -> Header | None:

@@ -122,32 +122,60 @@ class Executor:
         self._owner: threading.Thread | None = None  # the thread whose calls are queued or running
 
     def submit(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
+        """Run ``fn`` in queue order; ``work`` completes when it has run (``async_op``: on the
+        communication thread, and this returns at once)."""
+        if not async_op and self._enter(work.name):
+            self._inline(fn, work)
+            return work
+        self._enqueue(work, fn)
+        if not async_op:
+            work.wait()
+        return work
+
+    def call(self, name: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` synchronously in queue order: on this thread when nothing is queued (no
+        handle, no thread hop), else behind the pending work."""
+        if self._enter(name):
+            self._inline(fn, None)
+        else:
+            work = Work(name)
+            self._enqueue(work, fn)
+            work.wait()
+
+    def _enter(self, name: str) -> bool:
+        """Claim the queue for an inline call if it is idle; False when the call must queue."""
         with self._cond:
             if self._closed:
-                raise RuntimeError(f"{work.name}: the group was destroyed")
-            self._check_thread(work.name)
-            inline = not async_op and not self._busy and not self._queue
-            if inline:
-                self._busy = True
-            else:
-                self._queue.append((work, fn))
-                self._ensure_thread()
-                self._cond.notify_all()
-        if not inline:
-            if not async_op:
-                work.wait()
-            return work
+                raise RuntimeError(f"{name}: the group was destroyed")
+            self._check_thread(name)
+            if self._busy or self._queue:
+                return False
+            self._busy = True
+            return True
+
+    def _inline(self, fn: Callable[[], None], work: Work | None) -> None:
         try:
             fn()
-            work._finish(None)
         except BaseException as exc:
-            work._finish(exc)
+            if work is not None:
+                work._finish(exc)
             raise
+        else:
+            if work is not None:
+                work._finish(None)
         finally:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-        return work
+
+    def _enqueue(self, work: Work, fn: Callable[[], None]) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{work.name}: the group was destroyed")
+            self._check_thread(work.name)
+            self._queue.append((work, fn))
+            self._ensure_thread()
+            self._cond.notify_all()
 
     def _check_thread(self, op_name: str) -> None:
         """Refuse a call from a second thread while another thread's calls are pending (see the module doc)."""

@@ -40,8 +40,7 @@ it lies and combine straight from it, instead of receiving a copy first.
 from __future__ import annotations
 
 import abc
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import ContextManager, Sequence
 
 import torch
 
@@ -75,14 +74,9 @@ class Transport(abc.ABC):
         self.timeout = timeout
         self.op = "collective"
 
-    @contextmanager
-    def operation(self, name: str) -> Iterator[None]:
+    def operation(self, name: str) -> ContextManager[None]:
         """Label the traffic inside the block with a collective's name, for error messages."""
-        previous, self.op = self.op, name
-        try:
-            yield
-        finally:
-            self.op = previous
+        return _Label(self, name)
 
     @abc.abstractmethod
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
@@ -114,6 +108,21 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Release resources. The transport is unusable afterwards."""
+
+
+class _Label:
+    """:meth:`Transport.operation`'s context: sets ``transport.op``, restores it at the end."""
+
+    __slots__ = ("transport", "name", "previous")
+
+    def __init__(self, transport: Transport, name: str):
+        self.transport, self.name = transport, name
+
+    def __enter__(self) -> None:
+        self.previous, self.transport.op = self.transport.op, self.name
+
+    def __exit__(self, *_: object) -> None:
+        self.transport.op = self.previous
 
 
 class SharedRegions(abc.ABC):

@@ -26,9 +26,10 @@ Segments
 Messages
     Sender ``s`` owns ``head[s]`` and receiver ``r`` owns ``tail[s]``, both in ``r``'s control
     block; both only grow. The sender copies a chunk into slot ``head % slots`` when
-    ``head - tail < slots``, records the message's total size next to it, then publishes
-    ``head + 1``; the receiver checks the size against what it posted (a mismatch is an error,
-    never a silent misread), copies the chunk out and publishes ``tail + 1``. Counters are
+    ``head - tail < slots``, records the message's total size and its tag (what the message
+    is, :mod:`collectives.wire`) next to it, then publishes ``head + 1``; the receiver checks
+    both against what it posted (a mismatch is an error, never a silent misread; see
+    :meth:`ShmTransport.operation`), copies the chunk out and publishes ``tail + 1``. Counters are
     written after the data they cover, behind a full fence. Messages between a pair therefore
     arrive in the order posted. Progress happens inside :meth:`Request.wait` (and eagerly when a
     message is posted): a waiting rank moves every pending chunk it can, so a ring step's send
@@ -36,17 +37,21 @@ Messages
 
 Waiting
     Ranks may outnumber cores (4 ranks on 2 cores), so a waiter spins only briefly
-    (``spin_seconds``, yielding the core each turn), then sets its ``sleeping`` flag, fences,
-    checks again and blocks in ``poll`` on its sockets to the peers. Whoever publishes a counter
-    fences, reads the peer's ``sleeping`` flag and, if set, writes one byte to that peer's
-    socket. The same sockets report a dead peer (EOF: the kernel closes them when a process
-    dies, even by SIGKILL), and ``poll`` carries the group's deadline, so a stopped peer gives
+    (``spin_seconds``: 300 µs when every rank has a core, the first 50 µs without yielding it;
+    else 50 µs yielding the core each turn), then sets its ``sleeping`` word to the events it
+    waits for, fences, checks again and blocks in ``poll`` on its sockets to the peers. Whoever
+    publishes a counter fences, reads the peers' ``sleeping`` words and writes one byte to the
+    socket of each peer asleep on that event. A sleeping waiter costs its peers a system call
+    and itself a wake-up (on a VM about 200 µs), hence the spin. The same sockets report a dead
+    peer (EOF: the kernel closes them when a process dies, even by SIGKILL), and ``poll``
+    carries the group's deadline, so a stopped peer gives
     a :class:`~collectives.errors.CollectiveTimeoutError` and a dead one a
     :class:`~collectives.errors.CollectiveError`, both naming the operation and the peer.
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import datetime
@@ -61,11 +66,12 @@ import struct
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
 
+from .. import wire
 from ..errors import CollectiveError, CollectiveTimeoutError
 from .base import Peer, Request, SharedRegions, Transport
 from .torch_p2p import TorchP2PTransport
@@ -76,12 +82,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LINE = 8  # int64 counters per 64-byte cache line
-_SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, asleep flag
+_SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, what a sleeper waits for
+# _SLEEPING holds a mask of the events that would end the owner's sleep (0: awake); a rank that
+# publishes one of them writes a wake-up byte only to the peers sleeping on it
+_ON_MESSAGE, _ON_STEP, _ON_DONE, _ON_CALL, _ON_ANY = 1, 2, 4, 8, 15
 _ABANDONED = _SLEEPING + 1  # set once by a rank that found a mismatch: its peers stop waiting
 _TAG = _SEQ + 1  # two words after the step: the signature of the piece in each half
-_PAIR = 3 * _LINE  # per sender: head line, tail line, slot-size line
+_CALL = 3 * _LINE  # the checked collective under way: its number, then its wire.Header fields
+_PAIR = 4 * _LINE  # per sender: head line, tail line, slot-size line, slot-tag line
+_BYTES = 1  # in the sender's head line: its all-to-all bytes to the owner, and from the owner
 _MAX_SLOTS = _LINE
 _PAGE = 4096
+_BUSY_SPIN = 50e-6  # seconds a waiter with a core of its own spins without yielding
 _FENCE = threading.Lock()
 
 
@@ -117,14 +129,15 @@ class ShmConfig:
         slot_bytes: size of one FIFO slot: the chunk a long message is streamed in.
         slots: FIFO depth per pair (at most 8).
         region_bytes: a rank's region for the shared-memory algorithms (two halves).
-        spin_seconds: how long a waiter polls memory before it blocks (``RINGDDP_SHM_SPIN_US``).
+        spin_seconds: how long a waiter polls memory before it blocks (``RINGDDP_SHM_SPIN_US``);
+            ``None``: 300 µs when every rank has a core, else 50 µs.
     """
 
     directory: str = "/dev/shm"
     slot_bytes: int = 512 << 10
     slots: int = 4
     region_bytes: int = 8 << 20
-    spin_seconds: float = 50e-6
+    spin_seconds: float | None = None
 
     @classmethod
     def from_env(cls) -> "ShmConfig":
@@ -133,7 +146,7 @@ class ShmConfig:
             slot_bytes=_env_bytes("RINGDDP_SHM_SLOT_BYTES", cls.slot_bytes),
             slots=_env_bytes("RINGDDP_SHM_SLOTS", cls.slots),
             region_bytes=_env_bytes("RINGDDP_SHM_REGION_BYTES", cls.region_bytes),
-            spin_seconds=float(os.environ.get("RINGDDP_SHM_SPIN_US", cls.spin_seconds * 1e6)) / 1e6,
+            spin_seconds=float(os.environ["RINGDDP_SHM_SPIN_US"]) / 1e6 if os.environ.get("RINGDDP_SHM_SPIN_US") else None,
         )
 
     def validate(self) -> None:
@@ -156,9 +169,9 @@ class ShmConfig:
 class _Message:
     """A posted send or receive: ``data`` (bytes of the tensor) moved chunk by chunk."""
 
-    __slots__ = ("data", "tensor", "nbytes", "offset", "chunks", "peer", "kind")
+    __slots__ = ("data", "tensor", "nbytes", "offset", "chunks", "peer", "kind", "tag")
 
-    def __init__(self, tensor: torch.Tensor, peer: Peer, kind: str, slot_bytes: int):
+    def __init__(self, tensor: torch.Tensor, peer: Peer, kind: str, slot_bytes: int, tag_base: int):
         self.tensor = tensor  # keeps the caller's storage alive
         # as_strided: a contiguous tensor of one element may still carry an odd stride
         flat = tensor.as_strided((tensor.numel(),), (1,)) if tensor.numel() else tensor.new_empty(0)
@@ -168,6 +181,7 @@ class _Message:
         self.chunks = max(1, -(-self.nbytes // slot_bytes))  # an empty message is one empty chunk
         self.peer = peer
         self.kind = kind
+        self.tag = wire.tag(tag_base, self.nbytes) if tag_base else 0  # what the message is (wire check)
 
     def chunk(self, slot_bytes: int) -> tuple[int, int]:
         """``(offset, size)`` of the next chunk of at most ``slot_bytes``."""
@@ -195,6 +209,26 @@ class ShmRequest(Request):
         if self._message.chunks:
             self._transport.progress()
         return not self._message.chunks
+
+
+class _Checked:
+    """:meth:`ShmTransport.operation`'s context for a checked collective: labels the traffic and,
+    when the body succeeded, confirms the peers ran the same call."""
+
+    __slots__ = ("transport", "label")
+
+    def __init__(self, transport: "ShmTransport", label: ContextManager[None]):
+        self.transport, self.label = transport, label
+
+    def __enter__(self) -> None:
+        self.label.__enter__()
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        try:
+            if kind is None:
+                self.transport.confirm()
+        finally:
+            self.label.__exit__(kind, *rest)
 
 
 class ShmTransport(Transport, SharedRegions):
@@ -235,12 +269,130 @@ class ShmTransport(Transport, SharedRegions):
         self.config = config or ShmConfig.from_env()
         self.config.validate()
         self._fallback = fallback
+        # Spinning: with a core per rank, first without yielding (the peer is about to publish;
+        # sched_yield hands the core to any other runnable thread for up to its time slice),
+        # then yielding (other threads, e.g. gloo's I/O, get the core); with more ranks than
+        # cores, yield from the start (the peer we wait for may need our core).
+        own_core = world_size <= len(os.sched_getaffinity(0))
+        spin = self.config.spin_seconds
+        self._spin = spin if spin is not None else (300e-6 if own_core else 50e-6)
+        self._busy_spin = min(self._spin, _BUSY_SPIN) if own_core else 0.0
         self._p2p: Transport | None = None
         self._set_up = False
+        self._seq = 0  # checked collectives so far (the wire check numbers them)
+        self._tag_base = 0  # of the checked collective under way; 0: unchecked
+        self._verified = 0  # the last one whose pieces matched every peer's signature
+        self._header: wire.Header | None = None  # its header
+        self._published_header: wire.Header | None = None  # the one whose fields are in shared memory
         self._maps: list[mmap.mmap | None] = []
         self._socks: dict[Peer, socket.socket] = {}
         self._allocations = 0  # symmetric allocations made (see allocate)
         self._allocated: list[mmap.mmap] = []
+
+    def operation(self, name: str) -> ContextManager[None]:
+        """Label the traffic; a checked collective (:func:`collectives.wire.current`) is numbered,
+        tags its messages and pieces with what it is, publishes its header, and compares the
+        peers' headers before it returns.
+
+        The check sends no message. Each slot carries its message's tag
+        (:func:`collectives.wire.tag`) next to its size and each piece its signature mixed with
+        the header's tag base, so data of another call is never read: the rank that finds one
+        raises and tells its peers (:meth:`_abandon`). Every rank publishes its header (the
+        all-to-all byte counts in each peer's pair lines) when the collective starts; at the end,
+        each rank waits until every peer has started the same collective number and compares
+        headers, so a rank that finished without reading anything of the peers' (a broadcast
+        root, a sender whose messages fit the slots) raises too. Ranks that wait on each other
+        without moving data (one runs a region algorithm, the other messages) compare while they
+        sleep.
+        """
+        if self._p2p is not None:  # fell back: the p2p transport runs its own wire check
+            return self._p2p.operation(name)
+        header = wire.current()
+        if header is None or self.world_size == 1:
+            self._tag_base = 0
+            return super().operation(name)
+        self._seq += 1
+        self._tag_base = header.tag_base(self._seq)
+        self._header = header
+        if self._set_up:
+            self._publish_call()
+        return _Checked(self, super().operation(name))
+
+    def _publish_call(self) -> None:
+        """Publish the header of the checked collective: byte counts and fields, then its number."""
+        me, h = self.rank, self._header
+        mine = self._ctrl[me]
+        if h is not self._published_header:  # a loop repeating one call only bumps the number
+            mine[_CALL] = 0  # a seqlock: readers that see the number change meanwhile discard what they read
+            _fence()
+            if h.sends is not None and h.recvs is not None:
+                for q in self._sends:
+                    pair = _PAIR + me * _PAIR + _BYTES
+                    self._ctrl[q][pair : pair + 2] = array.array("q", (h.sends[q], h.recvs[q]))
+            mine[_CALL + 1 : _CALL + _LINE] = array.array("q", h.fields(0, 0)[1:_LINE])
+            self._published_header = h
+        _fence()
+        mine[_CALL] = self._seq
+        self._wake(_ON_CALL)
+
+    def _header_of(self, q: Peer) -> list[int] | None:
+        """Peer ``q``'s header message if it runs our checked collective (by number), else None."""
+        theirs, seq = self._ctrl[q], self._seq
+        if theirs[_CALL] != seq:
+            return None
+        _fence()
+        fields = theirs[_CALL : _CALL + _LINE].tolist()
+        pair = _PAIR + q * _PAIR + _BYTES
+        sizes = self._ctrl[self.rank][pair : pair + 2].tolist() if self._header.sends is not None else [-1, -1]
+        _fence()
+        return fields + sizes if theirs[_CALL] == seq else None  # else it moved on meanwhile
+
+    def _mine(self, q: Peer) -> list[int]:
+        return self._header.fields(self._seq, q)
+
+    def _check_calls(self, peers: Iterable[Peer]) -> None:
+        """Raise if a peer in our checked collective (by number) runs a different call."""
+        if not self._tag_base:
+            return
+        for q in peers:
+            theirs = self._header_of(q)
+            if theirs is not None and wire.compare(self._mine(q), theirs):
+                raise self._abandon(self._mismatch(q))
+
+    def confirm(self) -> None:
+        """End of a checked collective: wait until every peer has started it, compare headers
+        (unless a step already compared every peer's piece signature, which covers the header).
+        A collective that moved nothing still sets the segments up for this."""
+        seq = self._seq
+        if self._verified == seq or not self._ready():
+            return
+        for q in self._sends:
+            theirs = self._ctrl[q]
+            if theirs[_CALL] < seq:
+                self._await(lambda: theirs[_CALL] >= seq, self._never, "waiting for", q, _ON_CALL)
+        self._check_calls(self._sends)
+
+    def _mismatch(self, q: Peer) -> CollectiveError:
+        """The error for a peer whose message, piece or header says it runs another call than ours."""
+        if not self._tag_base:  # unchecked traffic (no header): sizes or signatures differed
+            what = f"rank {q} is running a different collective or size than this rank (rank {self.rank})"
+        else:
+            theirs, mine = self._header_of(q), self._mine(q)
+            what = f"this rank ({self.rank}) called {wire.describe(torch.tensor(mine))}; rank {q} called "
+            diffs = wire.compare(mine, theirs) if theirs is not None else []
+            if diffs:
+                what += f"{wire.describe(torch.tensor(theirs))}; they differ in {', '.join(diffs)}"
+            elif theirs is not None:  # equal headers, different pieces (symmetric memory on one rank, offsets)
+                what += "the same; yet their pieces say they ran a different collective or size (a tensor in "
+                what += "symmetric memory on some ranks only, or at different offsets in it)"
+            else:
+                what += "another collective"
+        return CollectiveError(
+            f"{self.op}: rank {q} called a different collective (wire check): {what}. Every rank must "
+            "issue the same collectives with matching arguments and sizes, in the same order",
+            op=self.op,
+            peer=q,
+        )
 
     def _ready(self) -> bool:
         """Set up on first use (inside a collective, so errors name it); False once on the fallback."""
@@ -332,6 +484,7 @@ class ShmTransport(Transport, SharedRegions):
         self._recvs: dict[Peer, collections.deque[_Message]] = {q: collections.deque() for q in range(n) if q != rank}
         self._step = 0
         self._pieces = 0
+        self._views: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
         self._half = self._signature = 0
         self._dead: set[Peer] = set()
         self._poll = select.poll()
@@ -340,6 +493,8 @@ class ShmTransport(Transport, SharedRegions):
             s.setblocking(False)
             self._poll.register(s.fileno(), select.POLLIN)
             self._fd_peer[s.fileno()] = q
+        if self._tag_base:
+            self._publish_call()
         log.debug("shm transport %s: rank %d/%d, %d bytes per rank", uid, rank, n, self._size)
 
     @classmethod
@@ -461,32 +616,39 @@ class ShmTransport(Transport, SharedRegions):
 
     # ---- waiting ---------------------------------------------------------------------------
 
-    def _wake(self, q: Peer) -> None:
-        """Tell peer ``q`` that a counter it may wait on changed (only if it sleeps)."""
-        _fence()
-        if self._ctrl[q][_SLEEPING]:
-            try:
-                self._socks[q].send(b"\0")
-            except OSError:  # full (it has wake-ups pending) or gone (its waits find out)
-                pass
+    def _wake(self, event: int, peers: Iterable[Peer] | None = None) -> None:
+        """Tell the peers (default: all) that ``event`` happened, writing a byte to those asleep on it."""
+        _fence()  # the counter we published must be visible before we read their flags (Dekker)
+        for q in self._sends if peers is None else peers:
+            if self._ctrl[q][_SLEEPING] & event:
+                try:
+                    self._socks[q].send(b"\0")
+                except OSError:  # full (it has wake-ups pending) or gone (its waits find out)
+                    pass
 
-    def _await(self, ready: Callable[[], bool], peers: Callable[[], Iterable[Peer]], kind: str, peer: Peer) -> None:
-        """Block until ``ready()``; ``peers()`` are the ranks whose progress it needs.
+    def _await(
+        self, ready: Callable[[], bool], peers: Callable[[], Iterable[Peer]], kind: str, peer: Peer, event: int
+    ) -> None:
+        """Block until ``ready()``; ``peers()`` are the ranks whose progress it needs, ``event``
+        the kinds of publication (``_ON_*``) that can make it ready.
 
         Spins for ``spin_seconds`` then sleeps on the peer sockets; raises naming ``peer`` (or
         the dead peer among ``peers()``) at the deadline or when a needed peer has exited.
         """
         if ready():
             return
-        spin_until = time.perf_counter() + self.config.spin_seconds
-        while time.perf_counter() < spin_until:
-            os.sched_yield()
+        now = time.perf_counter()
+        spin_until = now + self._spin
+        busy_until = now + self._busy_spin
+        while (now := time.perf_counter()) < spin_until:
+            if now >= busy_until:
+                os.sched_yield()
             if ready():
                 return
         deadline = time.monotonic() + self.timeout
         me = self._ctrl[self.rank]
         while True:
-            me[_SLEEPING] = 1
+            me[_SLEEPING] = event
             _fence()
             if ready():
                 me[_SLEEPING] = 0
@@ -506,7 +668,10 @@ class ShmTransport(Transport, SharedRegions):
                 self._drain(self._fd_peer[fileno])
             if ready():
                 return
+            self._check_calls(self._sends)
             abandoned = [q for q in range(self.world_size) if q != self.rank and self._ctrl[q][_ABANDONED]]
+            if abandoned and self._tag_base and self._header_of(abandoned[0]) is not None:
+                raise self._mismatch(abandoned[0])
             if abandoned:
                 raise CollectiveError(
                     f"{self.op}: rank {abandoned[0]} found that the ranks called different collectives or sizes "
@@ -526,11 +691,8 @@ class ShmTransport(Transport, SharedRegions):
     def _abandon(self, error: CollectiveError) -> CollectiveError:
         """Publish that this rank found a mismatch, so peers waiting on it raise at once instead of
         at the deadline; returns ``error`` for the caller to raise."""
-        me = self._ctrl[self.rank]
-        me[_ABANDONED] = 1
-        for q in range(self.world_size):
-            if q != self.rank:
-                self._wake(q)
+        self._ctrl[self.rank][_ABANDONED] = 1
+        self._wake(_ON_ANY)
         return error
 
     def _drain(self, q: Peer) -> None:
@@ -570,13 +732,14 @@ class ShmTransport(Transport, SharedRegions):
             if size:
                 self._slot(q, self.rank, head % slots, size).copy_(m.data[offset : offset + size])
             ctrl[base + 2 * _LINE + head % slots] = m.nbytes
+            ctrl[base + 3 * _LINE + head % slots] = m.tag
             _fence()
             ctrl[base] = self._head[q] = head + 1
             if m.advance(size):
                 queue.popleft()
             moved = True
         if moved:
-            self._wake(q)
+            self._wake(_ON_MESSAGE, (q,))
         return moved
 
     def _pull(self, q: Peer) -> bool:
@@ -591,6 +754,8 @@ class ShmTransport(Transport, SharedRegions):
             _fence()
             m = queue[0]
             sent = ctrl[base + 2 * _LINE + tail % slots]
+            if sent != m.nbytes and self._tag_base:
+                raise self._abandon(self._mismatch(q))
             if sent != m.nbytes:
                 raise self._abandon(CollectiveError(
                     f"{self.op}: rank {q} sent a {sent}-byte message where this rank (rank {self.rank}) "
@@ -598,6 +763,8 @@ class ShmTransport(Transport, SharedRegions):
                     op=self.op,
                     peer=q,
                 ))
+            if ctrl[base + 3 * _LINE + tail % slots] != m.tag:
+                raise self._abandon(self._mismatch(q))
             offset, size = m.chunk(slot_bytes)
             if size:
                 m.data[offset : offset + size].copy_(self._slot(self.rank, q, tail % slots, size))
@@ -607,7 +774,7 @@ class ShmTransport(Transport, SharedRegions):
                 queue.popleft()
             moved = True
         if moved:
-            self._wake(q)
+            self._wake(_ON_MESSAGE, (q,))
         return moved
 
     def progress(self) -> None:
@@ -626,7 +793,7 @@ class ShmTransport(Transport, SharedRegions):
             self.progress()
             return not m.chunks
 
-        self._await(ready, self._pending_peers, "send to" if m.kind == "send" else "recv from", m.peer)
+        self._await(ready, self._pending_peers, "send to" if m.kind == "send" else "recv from", m.peer, _ON_MESSAGE)
 
     def _check_peer(self, peer: Peer) -> None:
         if not 0 <= peer < self.world_size or peer == self.rank:
@@ -645,7 +812,7 @@ class ShmTransport(Transport, SharedRegions):
     def _queue(self, tensor: torch.Tensor, peer: Peer, kind: str, queues, move: Callable[[Peer], bool]) -> Request:
         """Queue one message to or from ``peer``; the first of its queue starts moving at once."""
         self._check_peer(peer)
-        m = _Message(tensor, peer, kind, self.config.slot_bytes)
+        m = _Message(tensor, peer, kind, self.config.slot_bytes, self._tag_base)
         queues[peer].append(m)
         if len(queues[peer]) == 1:
             move(peer)
@@ -657,47 +824,53 @@ class ShmTransport(Transport, SharedRegions):
         return self if self._ready() else None
 
     def view(self, rank: int, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._halves[rank][half][: numel * dtype.itemsize].view(dtype)
+        key = (rank, half, dtype, numel)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= 256:  # a loop repeats a few shapes; anything else starts over
+                self._views.clear()
+            v = self._views[key] = self._halves[rank][half][: numel * dtype.itemsize].view(dtype)
+        return v
+
+    def _never(self) -> tuple[Peer, ...]:
+        return ()
 
     def begin_piece(self, signature: int) -> int:
         g = self._pieces
         if g >= 2:
             for q in self._sends:
                 ctrl = self._ctrl[q]
-                self._await(lambda: ctrl[_DONE] >= g - 1, lambda: (), "waiting for", q)
+                if ctrl[_DONE] < g - 1:
+                    self._await(lambda: ctrl[_DONE] >= g - 1, self._never, "waiting for", q, _ON_DONE)
+        signature ^= self._tag_base  # the wire check rides on the piece's signature
         self._half, self._signature = g % 2, signature
         self._ctrl[self.rank][_TAG + g % 2] = signature
         return g % 2
 
     def end_piece(self) -> None:
         self._pieces += 1
-        me = self._ctrl[self.rank]
-        _fence()
-        me[_DONE] = self._pieces
-        for q in self._sends:
-            self._wake(q)
+        _fence()  # our reads of the peers' halves are done before we say so
+        self._ctrl[self.rank][_DONE] = self._pieces
+        self._wake(_ON_DONE)
 
     def step(self, wait_for: Iterable[Peer]) -> None:
-        self._step += 1
-        step = self._step
-        me = self._ctrl[self.rank]
-        _fence()
-        me[_SEQ] = step
-        for q in self._sends:
-            self._wake(q)
+        self._step = step = self._step + 1
+        ctrl, me = self._ctrl, self.rank
+        _fence()  # our writes to our half are visible before the step that announces them
+        ctrl[me][_SEQ] = step
+        self._wake(_ON_STEP)
         for q in wait_for:
-            if q != self.rank:
-                ctrl = self._ctrl[q]
-                self._await(lambda: ctrl[_SEQ] >= step, lambda: (), "waiting for", q)
-        _fence()
+            if q != me and ctrl[q][_SEQ] < step:
+                theirs = ctrl[q]
+                self._await(lambda: theirs[_SEQ] >= step, self._never, "waiting for", q, _ON_STEP)
+        _fence()  # we read their halves only after seeing their step
+        half, signature, checked = _TAG + self._half, self._signature, 0
         for q in wait_for:
-            if self._ctrl[q][_TAG + self._half] != self._signature:
-                raise self._abandon(CollectiveError(
-                    f"{self.op}: rank {q} is running a different collective or size than this rank "
-                    f"(rank {self.rank}): every rank must make the same calls with the same sizes",
-                    op=self.op,
-                    peer=q,
-                ))
+            if ctrl[q][half] != signature:
+                raise self._abandon(self._mismatch(q))
+            checked += q != me
+        if checked == self.world_size - 1:
+            self._verified = self._seq
 
     def allocate(self, nbytes: int) -> list[torch.Tensor] | None:
         """Symmetric memory: ``nbytes`` on every rank, in a segment of its own that every rank maps.
@@ -760,6 +933,7 @@ class ShmTransport(Transport, SharedRegions):
         self._ctrl = []
         self._bytes = []
         self._halves = []
+        self._views = {}
         for m in [*self._maps, *self._allocated]:
             if m is not None:
                 try:

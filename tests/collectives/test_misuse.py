@@ -428,7 +428,8 @@ FUZZ_CASES, FUZZ_JOBS = 200, 4
 
 
 @pytest.mark.timeout(600)
-def test_mismatch_fuzz_no_silent_wrong_results_no_aborts(pools, monkeypatch):
+@pytest.mark.parametrize("backend", ["p2p", "shm"])
+def test_mismatch_fuzz_no_silent_wrong_results_no_aborts(pools, monkeypatch, backend):
     """200 random pairs of different calls at the default level: every mismatch is a
     CollectiveError on both ranks, every agreeing pair is exact, no process dies."""
     monkeypatch.delenv("RINGDDP_DEBUG", raising=False)
@@ -436,8 +437,7 @@ def test_mismatch_fuzz_no_silent_wrong_results_no_aborts(pools, monkeypatch):
     counts: dict[str, int] = {}
     bad = []
     for job in range(FUZZ_JOBS):
-        # the wire check (header exchange) is p2p's; the shm transport does not implement it yet
-        results = collectives.launch(fuzz_cases, 2, 1000 + job, per_job, backend="p2p", timeout=20.0, join_timeout=280)
+        results = collectives.launch(fuzz_cases, 2, 1000 + job, per_job, backend=backend, timeout=20.0, join_timeout=280)
         (out0, healthy0), (out1, healthy1) = results
         assert healthy0 and healthy1
         for i, (r0, r1) in enumerate(zip(out0, out1)):
@@ -500,12 +500,13 @@ def named_mismatches(rank, world_size):
 
 
 @pytest.mark.timeout(180)
-def test_named_mismatches_raise_collective_error_on_every_rank(monkeypatch):
+@pytest.mark.parametrize("backend", ["p2p", "shm"])
+def test_named_mismatches_raise_collective_error_on_every_rank(monkeypatch, backend):
     """The mismatches of issue 17, at the default level: a CollectiveError on both ranks naming
-    the field, no killed process (launch would raise), and the default group still works."""
+    the field, no killed process (launch would raise), and the default group still works.
+    p2p exchanges headers; shm carries the check in its slots and pieces and publishes headers."""
     monkeypatch.delenv("RINGDDP_DEBUG", raising=False)
-    # the wire check (header exchange) is p2p's; the shm transport does not implement it yet
-    results = collectives.launch(named_mismatches, 2, backend="p2p", timeout=20.0, join_timeout=150)
+    results = collectives.launch(named_mismatches, 2, backend=backend, timeout=20.0, join_timeout=150)
     for rank, (outcomes, healthy) in enumerate(results):
         assert healthy
         for name, ((_, _), field) in NAMED_MISMATCHES.items():

@@ -450,6 +450,32 @@ def test_mismatched_one_to_many_calls_raise_on_every_rank(world_size):
         assert all(results[q][name][0] == "error" for q in readers), (name, [r[name] for r in results])
 
 
+def mismatched_calls(rank: int, world_size: int, case: str) -> tuple[str, str]:
+    """Calls that move the same bytes but mean different things: an error on every rank, never an answer."""
+    try:
+        if case == "dtype over messages":  # float32 and int32 of one size: equal bytes, ring messages
+            t = torch.ones(8, dtype=torch.float32 if rank == 0 else torch.int32)
+            collectives.all_reduce(t, algorithm="ring")
+        elif case == "dtype over regions":
+            collectives.all_reduce(torch.ones(8, dtype=torch.float32 if rank == 0 else torch.int32))
+        else:  # "regions against messages": nobody moves data, both wait
+            collectives.all_reduce(torch.ones(8), algorithm="auto" if rank == 0 else "ring")
+    except collectives.CollectiveError as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["dtype over messages", "dtype over regions", "regions against messages"])
+def test_wire_check_names_both_calls_without_a_message_of_its_own(case):
+    results = collectives.launch(mismatched_calls, 2, case, backend="shm", timeout=20.0, join_timeout=60)
+    for kind, message in results:
+        assert kind == "CollectiveError", results  # not the 20 s timeout
+        assert "called a different collective" in message and "as collective #1" in message, message
+    differ = "algorithm" if case == "regions against messages" else "dtype"
+    assert any(f"differ in {differ}" in message for _, message in results), results
+
+
 @pytest.mark.timeout(180)
 def test_bench_shows_shm_and_memcpy_rows(capsys):
     from collectives import bench
