@@ -389,6 +389,12 @@ def mismatched_slotted_calls(rank: int, world_size: int) -> dict[str, tuple[str,
             torch.zeros(8 + (rank == 1)), [torch.ones(8)] * n if rank == 0 else None, src=0, group=g
         ),
         "broadcast 8 vs 9 elements": lambda: collectives.broadcast(torch.ones(8 + (rank == 1)), src=0, group=g),
+        # ranks 0 and 1 both think they are the root, so no rank reads the other: the wire check's
+        # header exchange (on by default) catches it, the regions' signatures alone could not
+        "broadcast roots 0 vs 1": lambda: collectives.broadcast(torch.ones(8), src=min(rank, 1), group=g),
+        "scatter roots 0 vs 1": lambda: collectives.scatter(
+            torch.zeros(8), [torch.ones(8)] * n if rank < 2 else None, src=min(rank, 1), group=g
+        ),
         "gather 8 vs 9 elements": lambda: collectives.gather(
             torch.ones(8 + (rank == 1)), [torch.zeros(8) for _ in range(n)] if rank == 0 else None, dst=0, group=g
         ),
@@ -441,7 +447,9 @@ def test_mismatched_one_to_many_calls_raise_on_every_rank(world_size):
     # the ranks that read a peer's region raise in the call itself: rank 1 of a scatter or
     # broadcast from 0, the root of a gather, and in an all-to-all every rank
     for name in results[0]:
-        if name.startswith(("scatter", "broadcast")):
+        if "roots" in name:
+            readers = []
+        elif name.startswith(("scatter", "broadcast")):
             readers = [1]
         elif name.startswith("gather") or name.endswith("vs gather"):
             readers = [0]
