@@ -76,7 +76,6 @@ from typing import Sequence
 
 import torch
 
-from .errors import CollectiveError
 from .ops import ReduceOp, combine, finish
 from .ring import balanced_bounds
 from .transport.base import SharedRegions
@@ -332,11 +331,10 @@ def _agree_on_pieces(regions: SharedRegions, h: int, header: int, per_piece: int
         for j in range(n):
             sends, expected = table[q][j], table[j][n + q]
             if j != q and sends != expected:
-                raise CollectiveError(
-                    f"{regions.op}: rank {q} sends {sends} elements to rank {j}, which expects {expected} "
+                raise regions.mismatch(
+                    j if q == r else q,
+                    f"rank {q} sends {sends} elements to rank {j}, which expects {expected} "
                     f"(this is rank {r}): every rank must make the same calls with matching sizes",
-                    op=regions.op,
-                    peer=j if q == r else q,
                 )
     most = max(table[q][j] for q in range(n) for j in range(n) if j != q)
     return max(1, -(-most // per_piece))

@@ -44,6 +44,8 @@ from typing import ContextManager, Sequence
 
 import torch
 
+from ..errors import CollectiveError
+
 Peer = int
 Message = tuple[torch.Tensor, Peer]
 
@@ -173,6 +175,12 @@ class SharedRegions(abc.ABC):
     @abc.abstractmethod
     def end_piece(self) -> None:
         """Finish the current piece: this rank reads no region's half of it any more."""
+
+    def mismatch(self, peer: int, detail: str) -> CollectiveError:
+        """The error to raise when ``peer``'s data shows it runs another call than this rank
+        (``detail`` says how). A transport that checks calls itself (``shm``'s wire check) returns
+        its own description of both calls and tells the peers to stop waiting."""
+        return CollectiveError(f"{self.op}: {detail}", op=self.op, peer=peer)
 
     def allocate(self, nbytes: int) -> list[torch.Tensor] | None:
         """Optional: *symmetric memory*, ``nbytes`` on every rank that every rank can read and write.

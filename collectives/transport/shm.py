@@ -372,6 +372,14 @@ class ShmTransport(Transport, SharedRegions):
                 self._await(lambda: theirs[_CALL] >= seq, self._never, "waiting for", q, _ON_CALL)
         self._check_calls(self._sends)
 
+    def mismatch(self, peer: Peer, detail: str) -> CollectiveError:
+        """See :meth:`SharedRegions.mismatch`: the wire check's description when ``peer``'s header
+        differs from ours, else ``detail``; either way the peers stop waiting."""
+        theirs = self._header_of(peer) if self._tag_base else None
+        if theirs is not None and wire.compare(self._mine(peer), theirs):
+            return self._abandon(self._mismatch(peer))
+        return self._abandon(CollectiveError(f"{self.op}: {detail}", op=self.op, peer=peer))
+
     def _mismatch(self, q: Peer) -> CollectiveError:
         """The error for a peer whose message, piece or header says it runs another call than ours."""
         if not self._tag_base:  # unchecked traffic (no header): sizes or signatures differed
