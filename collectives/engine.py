@@ -229,7 +229,7 @@ class AlgorithmEngine:
 
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto" and (regions := self._regions()) is not None:
-            large = buf.numel() * buf.element_size() > shm_algorithms.ONE_SHOT_BYTES
+            large = buf.numel() * buf.element_size() > shm_algorithms.one_shot_limit(regions.world_size)
             if large and (found := self._in_symmetric(buf)) is not None:
                 shm_algorithms.all_reduce_symmetric(regions, found[0], op, found[1])
             else:

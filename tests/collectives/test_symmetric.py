@@ -20,12 +20,15 @@ import torch.nn as nn
 
 import collectives
 from collectives import CollectiveError, ReduceOp
+from collectives import shm_algorithms
 from collectives.ops import combine, finish
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shared memory")
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool)
-SIZES = (0, 1, 3, 40_000, 123_457)  # 40 000 float32 is past the one-shot limit; odd sizes split unevenly
+# past the one-shot limit (1 MiB at 2 ranks) for every dtype: 1 100 003 bytes even as uint8 / bool;
+# small sizes take the one-shot path (not symmetric-specific, but must agree); odd sizes split unevenly
+SIZES = (0, 1, 3, 1_100_003)
 
 
 def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -87,17 +90,17 @@ def misuse(rank: int, world_size: int) -> list[str]:
             collectives.symmetric_empty(*args, **kwargs)
         except (TypeError, ValueError) as exc:
             outcome.append(type(exc).__name__)
-    t = collectives.symmetric_empty(100_000)  # the group is still in step
+    t = collectives.symmetric_empty(1_000_000)  # the group is still in step
     t.fill_(1)
     collectives.all_reduce(t)
     outcome.append(str(float(t[0])))
     for case in ("symmetric vs private", "different slices"):
         g = collectives.new_group()  # a failed collective breaks its group: one group per case
-        t = collectives.symmetric_empty(100_000, group=g)
+        t = collectives.symmetric_empty(1_000_000, group=g)  # slices past the one-shot limit
         if case == "symmetric vs private":
-            x = t[:50_000] if rank == 0 else torch.ones(50_000)
+            x = t[:300_000] if rank == 0 else torch.ones(300_000)
         else:
-            x = t[rank * 8 : rank * 8 + 50_000]
+            x = t[rank * 8 : rank * 8 + 300_000]
         try:
             collectives.all_reduce(x, group=g)
             outcome.append(f"{case}: no error")
@@ -159,14 +162,16 @@ def ddp_matches_torch(rank: int, world_size: int) -> tuple[bool, bool]:
     from ddp import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 50))
+    model = nn.Sequential(nn.Linear(256, 1100), nn.ReLU(), nn.Linear(1100, 256))  # 2 buckets > 1 MiB
     theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=collectives.get_group().process_group)
-    ours = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.05)
+    ours = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=1.5)
     engine = collectives.get_group().engine(torch.device("cpu"), "test")
-    in_place = all(engine._in_symmetric(b.buffer) is not None for b in ours.reducer.buckets) and len(ours.reducer.buckets) > 1
+    buckets = ours.reducer.buckets
+    in_place = all(engine._in_symmetric(b.buffer) is not None for b in buckets) and len(buckets) > 1
+    in_place = in_place and all(b.buffer.nbytes > shm_algorithms.one_shot_limit(world_size) for b in buckets)
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
-        x, y = torch.randn(16, 64, generator=g), torch.randn(16, 50, generator=g)
+        x, y = torch.randn(16, 256, generator=g), torch.randn(16, 256, generator=g)
         for m in (theirs, ours):
             m.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
