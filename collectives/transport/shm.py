@@ -446,16 +446,7 @@ class ShmTransport(Transport, SharedRegions):
         cfg, n = self.config, self.world_size
         self._size = cfg.segment_bytes(n)
         self._ctrl_bytes = cfg.control_bytes(n)
-        self._maps = [None] * n
-        fd = -1
-        failure = ""
-        try:
-            fd = self._create_segment(self._size)
-        except (OSError, ShmUnavailableError) as exc:
-            failure = str(exc)
-        store.set(f"{key}/ok/{rank}", f"fail {failure}" if failure else f"ok {_machine()}")
-        reports = [self._get(f"{key}/ok/{q}", q, deadline) for q in range(n)]
-        failures = [(q, text[5:]) for q, text in enumerate(reports) if text.startswith("fail ")]
+        fd, reports, failures = self._report_segment(f"{key}/ok", self._size, f"ok {_machine()}", deadline)
         if not failures and len(set(reports)) > 1:  # checked, not assumed: one kernel, one network
             failures = [(rank, f"shm: the ranks are not all on one host in one network namespace: {reports}; "
                                "use backend='p2p'")]
@@ -465,21 +456,13 @@ class ShmTransport(Transport, SharedRegions):
             q, text = failures[0]
             raise ShmUnavailableError(text if q == rank else f"shm: rank {q} could not set up: {text}")
         try:
-            fds, self._socks = self._exchange_fds(fd, deadline, "")
-            for q, peer_fd in fds.items():
-                self._maps[q] = self._map(peer_fd, self._size)
-                if peer_fd != fd:
-                    os.close(peer_fd)
+            self._maps, self._socks = self._map_all(fd, self._size, deadline, "")  # type: ignore[assignment]
         except OSError as exc:  # the ranks agreed they can share memory: a peer failed mid-way
-            self._close_setup()
             raise CollectiveError(
                 f"{self.op}: shared-memory set-up failed while exchanging segments with the peers "
                 f"(this is rank {rank} of {self.world_size}): {exc}",
                 op=self.op,
             ) from exc
-        finally:
-            if fd >= 0:
-                os.close(fd)
         self._ctrl = [memoryview(m).cast("q") for m in self._maps]  # type: ignore[arg-type]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]  # type: ignore[arg-type]
         half = cfg.region_bytes // 2
@@ -556,6 +539,39 @@ class ShmTransport(Transport, SharedRegions):
                 "RINGDDP_SHM_REGION_BYTES / RINGDDP_SHM_SLOT_BYTES, or use backend='p2p'"
             ) from exc
         return fd
+
+    def _report_segment(self, key: str, size: int, ok: str, deadline: float) -> tuple[int, list[str], list[tuple[Peer, str]]]:
+        """Create this rank's segment of ``size`` bytes and publish ``ok`` or ``fail <why>`` under
+        ``key``; returns the fd (-1 if it failed), every rank's report and the failures (rank, why)."""
+        fd, failure = -1, ""
+        try:
+            fd = self._create_segment(size)
+        except (OSError, ShmUnavailableError) as exc:
+            failure = str(exc)
+        self._store.set(f"{key}/{self.rank}", f"fail {failure}" if failure else ok)
+        reports = [self._get(f"{key}/{q}", q, deadline) for q in range(self.world_size)]
+        return fd, reports, [(q, text[5:]) for q, text in enumerate(reports) if text.startswith("fail ")]
+
+    def _map_all(self, fd: int, size: int, deadline: float, channel: str) -> tuple[list[mmap.mmap], dict[Peer, socket.socket]]:
+        """Exchange ``fd`` with every peer and map every rank's segment (index = rank); returns the
+        mappings and the sockets. Every fd is closed, ``fd`` included; on OSError so is what it opened."""
+        fds: dict[Peer, int] = {self.rank: fd}
+        maps: list[mmap.mmap] = []
+        socks: dict[Peer, socket.socket] = {}
+        try:
+            fds, socks = self._exchange_fds(fd, deadline, channel)
+            for q in range(self.world_size):
+                maps.append(self._map(fds[q], size))
+        except OSError:
+            for m in maps:
+                m.close()
+            for s in socks.values():
+                s.close()
+            raise
+        finally:
+            for f in {fd, *fds.values()}:
+                os.close(f)
+        return maps, socks
 
     def _address(self, q: int, channel: str) -> bytes:
         return f"\0ringddp-shm-{self._uid}-{q}{channel}".encode()
@@ -895,35 +911,22 @@ class ShmTransport(Transport, SharedRegions):
         key, rank, n = f"{self._key}/alloc/{self._allocations}", self.rank, self.world_size
         size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
         deadline = time.monotonic() + self.timeout
-        fd, failure = -1, ""
-        try:
-            fd = self._create_segment(size)
-        except (OSError, ShmUnavailableError) as exc:
-            failure = str(exc)
-        self._store.set(f"{key}/{rank}", f"fail {failure}" if failure else "ok")
-        failures = [(q, text[5:]) for q in range(n) if (text := self._get(f"{key}/{q}", q, deadline)).startswith("fail ")]
+        fd, _reports, failures = self._report_segment(key, size, "ok", deadline)
         if failures:
             if fd >= 0:
                 os.close(fd)
             q, text = failures[0]
             log.warning("%s: no symmetric memory of %d bytes (rank %d: %s); using private memory", self.op, nbytes, q, text)
             return None
-        maps: list[mmap.mmap] = []
         try:
-            fds, socks = self._exchange_fds(fd, deadline, f"-alloc{self._allocations}")
-            for s in socks.values():
-                s.close()
-            for q in range(n):
-                maps.append(self._map(fds[q], size))
-                if fds[q] != fd:
-                    os.close(fds[q])
+            maps, socks = self._map_all(fd, size, deadline, f"-alloc{self._allocations}")
         except OSError as exc:
             raise CollectiveError(
                 f"{self.op}: exchanging symmetric memory with the peers failed (this is rank {rank} of {n}): {exc}",
                 op=self.op,
             ) from exc
-        finally:
-            os.close(fd)
+        for s in socks.values():
+            s.close()
         self._allocated.extend(maps)
         return [torch.frombuffer(m, dtype=torch.uint8)[:nbytes] for m in maps]  # type: ignore[arg-type]
 
