@@ -8,12 +8,14 @@ scatter, gather, all-to-all).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -317,25 +319,33 @@ def transport_name_of(group) -> str:
     return type(group.engine(torch.device("cpu"), "test").transport).__name__
 
 
-@pytest.mark.timeout(180)
-def test_shm_directory_too_small(monkeypatch):
-    """A 1 MiB tmpfs cannot hold a 10 MiB segment: a clear error on every rank, never SIGBUS."""
-    mountpoint = tempfile.mkdtemp(prefix="ringddp-tiny-shm-")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mountpoint], capture_output=True)
+@contextlib.contextmanager
+def small_tmpfs(size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` (mount's syntax: ``1m``) mounted for the test, unmounted and removed
+    afterwards; skips the test where mounting is not allowed."""
+    mountpoint = tempfile.mkdtemp(prefix="ringddp-small-shm-")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mountpoint], capture_output=True)
     if mounted.returncode != 0:
         os.rmdir(mountpoint)
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    monkeypatch.setenv("RINGDDP_SHM_DIR", mountpoint)
     try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", mountpoint], check=True)
+        os.rmdir(mountpoint)
+
+
+@pytest.mark.timeout(180)
+def test_shm_directory_too_small(monkeypatch):
+    """A 1 MiB tmpfs cannot hold a 10 MiB segment: a clear error on every rank, never SIGBUS."""
+    with small_tmpfs("1m") as mountpoint:
+        monkeypatch.setenv("RINGDDP_SHM_DIR", mountpoint)
         results = collectives.launch(too_small, 2, backend="shm", timeout=20.0, join_timeout=90)
         needed = ShmConfig().segment_bytes(2)
         for error, fallback, regions in results:
             assert f"needs {needed} bytes" in error and "--shm-size" in error and "p2p" in error, error
             assert fallback == "TorchP2PTransport" and regions is None
         assert os.listdir(mountpoint) == []
-    finally:
-        subprocess.run(["umount", mountpoint], check=True)
-        os.rmdir(mountpoint)
 
 
 def auto_choice(rank: int, world_size: int) -> str:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ import collectives
 from collectives import CollectiveError, ReduceOp
 from collectives import shm_algorithms
 from collectives.ops import combine, finish
+from tests.collectives.test_shm import small_tmpfs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shared memory")
 
@@ -143,18 +142,10 @@ def too_small_for_it(rank: int, world_size: int) -> tuple[int, float]:
 def test_file_system_too_small_falls_back_to_private_memory(monkeypatch):
     """2 transport segments (10 MiB each) + one 8 MiB segment fit; a second does not: both ranks
     agree on private memory, and the all-reduce is still right."""
-    mountpoint = tempfile.mkdtemp(prefix="ringddp-sym-shm-")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", mountpoint], capture_output=True)
-    if mounted.returncode != 0:
-        os.rmdir(mountpoint)
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    monkeypatch.setenv("RINGDDP_SHM_DIR", mountpoint)
-    try:
+    with small_tmpfs("30m") as mountpoint:
+        monkeypatch.setenv("RINGDDP_SHM_DIR", mountpoint)
         assert collectives.launch(too_small_for_it, 2, backend="shm", timeout=20, join_timeout=90) == [(0, 3.0)] * 2
         assert os.listdir(mountpoint) == []
-    finally:
-        subprocess.run(["umount", mountpoint], check=True)
-        os.rmdir(mountpoint)
 
 
 def ddp_matches_torch(rank: int, world_size: int) -> tuple[bool, bool]:
