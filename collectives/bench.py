@@ -21,6 +21,13 @@ link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are 
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
+``--timing loop`` times the way nccl-tests does instead: after one barrier, ``inner`` calls back to
+back (``8 MiB / size``, 1 to 50), their mean, without restoring the input between calls (sums grow,
+floats may reach inf: the time does not depend on the values). The per-call barrier mode measures
+one call from a common start, but the ranks leave torch's barrier up to ~0.1 ms apart (median exit
+skew measured here: 68 µs at 2 ranks, 224 µs at 4), which the first rank out waits through: at
+small sizes that is more than the collective itself. The loop mode is the rate a training loop
+issuing the op repeatedly sees; both modes treat every column alike.
 ``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (payload tags but
 no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
 ``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
@@ -194,15 +201,23 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[], Any]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one call of ``fn``, started after a barrier."""
+def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[], Any],
+           calls: int = 1) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) per call of ``calls`` back-to-back calls of ``fn``, started
+    after a barrier (``calls`` > 1: ``--timing loop``, the input restored only before the first)."""
     prepare()
     sync()
     tdist.barrier()
     start, cpu = time.perf_counter(), _cpu_seconds()
-    fn()
+    for _ in range(calls):
+        fn()
     sync()  # torch's NCCL collectives return before the GPU is done
-    return time.perf_counter() - start, _cpu_seconds() - cpu
+    return (time.perf_counter() - start) / calls, (_cpu_seconds() - cpu) / calls
+
+
+def _loop_calls(nbytes: int) -> int:
+    """Back-to-back calls per sample in ``--timing loop``: enough to hide the barrier at small sizes."""
+    return max(1, min(50, (8 << 20) // max(nbytes, 1)))
 
 
 def _setup(rank: int, n: int, backend: str) -> tuple[torch.device, Any, Callable[[], Any]]:
@@ -242,14 +257,15 @@ def _checks_off():
 
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
                tuning: dict[str, int], backend: str = "p2p", algorithm: str = "auto", model: bool = False,
-               check_cost: bool = False, shm: bool = False) -> list[dict]:
+               check_cost: bool = False, shm: bool = False, timing: str = "barrier") -> list[dict]:
     """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`.
 
     ``algorithm`` is forced on our all_reduce / broadcast; ``model`` fits α/β by ping-pong first
     and adds the cost model's prediction to every row (:mod:`collectives.costmodel`);
     ``check_cost`` also times ours with ``RINGDDP_DEBUG=OFF``; ``shm`` also times the op over
     the shared-memory transport, all_reduce also on an input in symmetric memory
-    (:func:`collectives.symmetric_empty`), and one memcpy of the op's buffer.
+    (:func:`collectives.symmetric_empty`), and one memcpy of the op's buffer; ``timing`` is
+    ``barrier`` (one call after each barrier) or ``loop`` (back-to-back calls, see the module doc).
     """
     torch.set_num_threads(1)
     ours = get_default_group()
@@ -274,24 +290,25 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
             for nbytes in sizes:
                 case = _Case(op, DTYPES[dtype_name], nbytes, rank, n, device, algorithm, shm_group)
                 warm, timed = _iterations(nbytes, iters)
+                calls = _loop_calls(nbytes) if timing == "loop" else 1
                 times: dict[str, list[float]] = {k: [] for k in variants}
                 cpu: dict[str, list[float]] = {k: [] for k in variants}
                 wrong = case.wrong(reference, shm_group)
                 has_wire = case.wire(engine)
                 for i in range(warm + timed):
                     measured = {
-                        "ours": _timed(case.prepare, lambda: case.run("ours", None), sync),
-                        "torch": _timed(case.prepare, lambda: case.run("torch", reference), sync),
-                        "wire": _timed(case.prepare, lambda: case.wire(engine), sync) if has_wire else (nan, nan),
+                        "ours": _timed(case.prepare, lambda: case.run("ours", None), sync, calls),
+                        "torch": _timed(case.prepare, lambda: case.run("torch", reference), sync, calls),
+                        "wire": _timed(case.prepare, lambda: case.wire(engine), sync, calls) if has_wire else (nan, nan),
                     }
                     if check_cost:
                         with _checks_off():
-                            measured["off"] = _timed(case.prepare, lambda: case.run("ours", None), sync)
+                            measured["off"] = _timed(case.prepare, lambda: case.run("ours", None), sync, calls)
                     if shm_group is not None:
-                        measured["shm"] = _timed(case.prepare, lambda: case.run("shm", shm_group), sync)
+                        measured["shm"] = _timed(case.prepare, lambda: case.run("shm", shm_group), sync, calls)
                         if case.sym is not None:
-                            measured["sym"] = _timed(case.prepare, lambda: case.run("sym", shm_group), sync)
-                        measured["memcpy"] = _timed(case.prepare, case.memcpy, sync)
+                            measured["sym"] = _timed(case.prepare, lambda: case.run("sym", shm_group), sync, calls)
+                        measured["memcpy"] = _timed(case.prepare, case.memcpy, sync, calls)
                     if i >= warm:
                         for k, (wall, used) in measured.items():
                             times[k].append(wall)
@@ -305,7 +322,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     size = case.size_bytes()
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
-                           "wrong": int(med[-1]), "backend": backend}
+                           "wrong": int(med[-1]), "backend": backend, "timing": timing, "calls": calls}
                     for k, t, c in zip(variants, med[:-1].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_cpu_ms"] = c * 1e3
@@ -423,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm", action="store_true",
                    help="CPU: also time the op over the shared-memory transport (shm columns) and one "
                         "memcpy of the op's buffer (memcpy us; shm/cpy = shm time / memcpy time)")
+    p.add_argument("--timing", default="barrier", choices=("barrier", "loop"),
+                   help="barrier: one call after each barrier, input restored (default); loop: nccl-tests style, "
+                        "8 MiB / size calls (1-50) back to back after one barrier, their mean")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -455,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
           + (SHM_HEADER if args.shm else "") + (MODEL_HEADER if args.model else ""))
     for n in world_sizes:
         job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
-               args.model, args.check_cost, args.shm)
+               args.model, args.check_cost, args.shm, args.timing)
         result = _run_hosts(args.hosts, link, args.emulator, n, job) if args.hosts else launch(
             job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
