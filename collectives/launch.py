@@ -237,9 +237,14 @@ def _launch_local(fn, size, args, backend, timeout, join_timeout, level) -> list
             limit = min(t for t in (deadline, grace) if t is not None) if (deadline or grace) else None
             if limit is not None and now >= limit:
                 break
-            waitables = [conns[r] for r in range(size) if r not in reported]
-            waitables += [procs[r].sentinel for r in range(size) if r not in reported]
-            ready = mp.connection.wait(waitables, None if limit is None else max(0.0, limit - now))
+            pending = [r for r in range(size) if r not in reported]
+            if grace is not None and all(is_stopped(procs[r]) for r in pending):
+                break  # the rest are stopped (SIGSTOP, a debugger): they cannot notice the failure
+            waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
+            wait = None if limit is None else max(0.0, limit - now)
+            if grace is not None:
+                wait = min(wait, 0.2)  # look for stopped ranks now and then
+            ready = mp.connection.wait(waitables, wait)
             for rank in range(size):
                 if rank in reported:
                     continue
@@ -266,14 +271,28 @@ def grace_seconds(timeout: float | None) -> float:
     return 15.0 if timeout is None else min(15.0, timeout + 5.0)
 
 
+def is_stopped(proc: mp.process.BaseProcess) -> bool:
+    """Whether ``proc`` is stopped (SIGSTOP, traced): it runs nothing until continued."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):  # exited, or no /proc
+        return False
+
+
 def stop_ranks(procs: list[mp.process.BaseProcess], exit_grace: float = 0.0) -> None:
-    """Stop every rank: wait up to ``exit_grace`` seconds for a clean exit, then terminate, then kill."""
+    """Stop every rank: wait up to ``exit_grace`` seconds for a clean exit, then terminate, then kill.
+
+    A stopped rank is continued after SIGTERM, so that it acts on it at once.
+    """
     deadline = time.monotonic() + exit_grace
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.terminate()
+            if is_stopped(p):
+                os.kill(p.pid, signal.SIGCONT)
     for p in procs:
         p.join(5)
         if p.is_alive():
