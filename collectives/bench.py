@@ -21,12 +21,13 @@ link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are 
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
-``--timing loop`` times the way nccl-tests does instead: after one barrier, ``inner`` calls back to
-back (``8 MiB / size``, 1 to 50), their mean, without restoring the input between calls (sums grow,
-floats may reach inf: the time does not depend on the values). The per-call barrier mode measures
-one call from a common start, but the ranks leave torch's barrier up to ~0.1 ms apart (median exit
-skew measured here: 68 µs at 2 ranks, 224 µs at 4), which the first rank out waits through: at
-small sizes that is more than the collective itself. The loop mode is the rate a training loop
+``--timing loop`` times the way nccl-tests does instead: after one barrier, ``calls`` calls back
+to back (``8 MiB / size``, 1 to 50), their mean, without restoring the input between calls (sums
+grow, floats may reach inf: the time does not depend on the values). The per-call barrier mode
+measures one call from a common start, but the ranks leave torch's barrier hundreds of µs apart (median exit
+skew measured on the 2-core machine: 20-70 µs at 2 ranks, 220-290 µs at 4; the bench logs it
+per world size and stores it as ``barrier_skew_us``), which the first rank out waits through:
+at small sizes that is more than the collective itself. The loop mode is the rate a training loop
 issuing the op repeatedly sees; both modes treat every column alike.
 ``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (payload tags but
 no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
@@ -215,6 +216,19 @@ def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[],
     return (time.perf_counter() - start) / calls, (_cpu_seconds() - cpu) / calls
 
 
+def _barrier_skew(n: int, rounds: int = 50) -> float:
+    """Median seconds between the first and the last rank leaving torch's barrier: the start
+    offset that ``--timing barrier`` charges to the first rank out."""
+    exits = torch.zeros(rounds, dtype=torch.float64)
+    for i in range(rounds):
+        tdist.barrier()
+        exits[i] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process of the host
+    every = [torch.zeros_like(exits) for _ in range(n)]
+    tdist.all_gather(every, exits)
+    spread = torch.stack(every).amax(0) - torch.stack(every).amin(0)
+    return float(spread[rounds // 5 :].median())
+
+
 def _loop_calls(nbytes: int) -> int:
     """Back-to-back calls per sample in ``--timing loop``: enough to hide the barrier at small sizes."""
     return max(1, min(50, (8 << 20) // max(nbytes, 1)))
@@ -282,6 +296,9 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     links = costmodel.measure(engine.transport, layout, regions) if model else None
     if links and rank == 0:
         log.warning("fitted links: %s", "; ".join(f"{k} {link}" for k, link in links.items()))
+    skew = _barrier_skew(n) if not layout.spans_hosts else nan  # clocks are per host
+    if rank == 0 and skew == skew:
+        log.warning("torch barrier exit skew at %d ranks: median %.0f us", n, skew * 1e6)
     shm_group = new_group(backend="shm") if shm else None
     variants = ("ours", "torch", "wire", "off", "shm", "sym", "memcpy")
     rows = []
@@ -322,7 +339,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     size = case.size_bytes()
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
-                           "wrong": int(med[-1]), "backend": backend, "timing": timing, "calls": calls}
+                           "wrong": int(med[-1]), "backend": backend, "timing": timing, "calls": calls,
+                           "barrier_skew_us": skew * 1e6}
                     for k, t, c in zip(variants, med[:-1].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_cpu_ms"] = c * 1e3
