@@ -24,7 +24,7 @@ fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
 ``--timing loop`` times the way nccl-tests does instead: after one barrier, ``calls`` calls back
 to back (``8 MiB / size``, 1 to 50), their mean, without restoring the input between calls (sums
 grow, floats may reach inf: the time does not depend on the values). The per-call barrier mode
-measures one call from a common start, but the ranks leave torch's barrier hundreds of µs apart (median exit
+measures one call from a common start, but the ranks leave torch's barrier tens to hundreds of µs apart (median exit
 skew measured on the 2-core machine: 20-70 µs at 2 ranks, 220-290 µs at 4; the bench logs it
 per world size and stores it as ``barrier_skew_us``), which the first rank out waits through:
 at small sizes that is more than the collective itself. The loop mode is the rate a training loop
