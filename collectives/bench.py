@@ -21,14 +21,14 @@ link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are 
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
-``--timing loop`` times the way nccl-tests does instead: after one barrier, ``calls`` calls back
-to back (``8 MiB / size``, 1 to 50), their mean, without restoring the input between calls (sums
-grow, floats may reach inf: the time does not depend on the values). The per-call barrier mode
-measures one call from a common start, but the ranks leave torch's barrier tens to hundreds of µs apart (median exit
-skew measured on the 2-core machine: 20-70 µs at 2 ranks, 220-290 µs at 4; the bench logs it
-per world size and stores it as ``barrier_skew_us``), which the first rank out waits through:
-at small sizes that is more than the collective itself. The loop mode is the rate a training loop
-issuing the op repeatedly sees; both modes treat every column alike.
+``--timing loop`` times the way nccl-tests does instead: after one barrier, ``calls`` calls back to
+back (``8 MiB / size``, 1 to 50), their mean, without restoring the input between calls (sums grow,
+floats may reach inf: the time does not depend on the values). The per-call barrier mode measures
+one call from a common start, but the ranks leave torch's barrier tens to hundreds of µs apart
+(median exit skew measured on the 2-core machine: 20-70 µs at 2 ranks, 220-290 µs at 4; the bench
+logs it per world size and stores it as ``barrier_skew_us``), which the first rank out waits
+through: at small sizes that is more than the collective itself. The loop mode is the rate a
+training loop issuing the op repeatedly sees; both modes treat every column alike.
 ``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (payload tags but
 no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
 ``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
