@@ -104,8 +104,14 @@ ONE_SHOT_BYTES = 2 << 20
 
 
 #: single-copy transfers (``regions.cma``) from this many bytes per reader and owner, by op.
-CMA_BYTES = {"broadcast": 256 << 10, "scatter": 256 << 10, "gather": 256 << 10, "all_gather": 256 << 10,
-             "all_to_all": 256 << 10}
+#: Measured on 2 cores, 2 and 4 ranks, with ``RINGDDP_SHM_CMA=0`` as the baseline: all-to-all
+#: (every rank both copies in and out: half its copies go) wins from 512 KiB a pair; scatter
+#: (the root's serial copy-in goes) and all-gather from 1 MiB. Broadcast and gather lose only
+#: copies that ran in parallel with the readers' (the root's or the senders', overlapped by the
+#: two halves): less CPU, but at 2 ranks no faster (gather up to 10% slower, the reader's
+#: ``process_vm_readv`` being no faster than its memcpy), so they switch only at 4 MiB, where
+#: the saved CPU shows at 4 ranks on 2 cores.
+CMA_BYTES = {"broadcast": 4 << 20, "scatter": 1 << 20, "gather": 4 << 20, "all_gather": 1 << 20, "all_to_all": 512 << 10}
 
 
 def _single_copy(regions: SharedRegions, op: str, nbytes: int) -> bool:

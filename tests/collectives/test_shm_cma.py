@@ -41,7 +41,7 @@ def single_copy_collectives(rank: int, world_size: int) -> tuple[bool, list[str]
     """Every single-copy op vs torch's on gloo; whether single-copy reads are on, and the failures."""
     n, failures = world_size, []
     gloo = dist.new_group(backend="gloo")
-    for dtype in (torch.float32, torch.int8, torch.float64):
+    for dtype in (torch.float32, torch.int8):
         for i, numel in enumerate(_sizes("broadcast", dtype)):
             root = (i + 1) % n
             ours, ref = _column(_values(numel, dtype, rank)), _values(numel, dtype, rank)
@@ -95,7 +95,7 @@ def single_copy_collectives(rank: int, world_size: int) -> tuple[bool, list[str]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size,cma", [(2, "1"), (3, "1"), (4, "1"), (3, "0")])
+@pytest.mark.parametrize("world_size,cma", [(2, "1"), (3, "1"), (4, "1"), (2, "0")])
 def test_single_copy_collectives_match_torch(monkeypatch, world_size, cma):
     """``RINGDDP_SHM_CMA=0``: the same calls copy through the regions, with the same results."""
     monkeypatch.setenv("RINGDDP_SHM_CMA", cma)
@@ -108,10 +108,11 @@ KILL_SCRIPT = """
 import os, signal, sys, threading, time
 import torch
 import collectives
+from collectives.shm_algorithms import CMA_BYTES
 
 def job(rank, world_size, piddir):
     open(os.path.join(piddir, str(os.getpid())), "w").close()
-    n, m = world_size, 1 << 20  # 4 MiB per transfer: single-copy reads
+    n, m = world_size, max(CMA_BYTES.values()) // 4  # single-copy reads in every op
     t, out = torch.ones(m), torch.empty(m)
     pieces = [torch.ones(m) for _ in range(n)] if rank == 1 else None
     collectives.broadcast(t, src=0)
@@ -154,7 +155,7 @@ def mismatched_single_copy_calls(rank: int, world_size: int) -> dict[str, tuple[
     """Rank 1 passes one element more than the others (all above the threshold), each op on a
     fresh group: what every rank saw (the error, its op, whether it came fast)."""
     n = world_size
-    m = shm_algorithms.CMA_BYTES["scatter"] // 4 + 1 + (rank == 1)
+    m = max(shm_algorithms.CMA_BYTES.values()) // 4 + 1 + (rank == 1)
     calls = {
         "broadcast": lambda g: collectives.broadcast(torch.ones(m), src=0, group=g),
         "scatter": lambda g: collectives.scatter(torch.zeros(m), [torch.ones(m)] * n if rank == 0 else None, src=0, group=g),
