@@ -19,8 +19,8 @@ Segments
     Size per rank: ``region_bytes + (n - 1) · slots · slot_bytes`` plus 4 KiB, by default
     8 MiB + (n - 1) · 2 MiB (10 MiB per rank at 2 ranks, 14 MiB at 4, 56 MiB for a 4-rank job).
     Messages larger than the FIFO stream through it in slot-sized chunks. Set
-    ``RINGDDP_SHM_REGION_BYTES``, ``RINGDDP_SHM_SLOT_BYTES``, ``RINGDDP_SHM_SLOTS`` (rank 0's
-    values are used by every rank). A file system too small fails on every rank with
+    ``RINGDDP_SHM_REGION_BYTES``, ``RINGDDP_SHM_SLOT_BYTES``, ``RINGDDP_SHM_SLOTS``, and
+    ``RINGDDP_SHM_CMA=0`` to turn single-copy reads off (rank 0's values are used by every rank). A file system too small fails on every rank with
     :class:`ShmUnavailableError` naming the size needed and the fixes.
 
 Messages
