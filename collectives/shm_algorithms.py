@@ -71,8 +71,8 @@ Scatter, gather and all-to-all: per-peer slots
 
 Single-copy variants (``regions.cma``: Linux cross-memory attach, see ``base.py``)
     Broadcast, scatter, gather, all-gather and all-to-all only *move* bytes, each from one
-    owner to one reader, and above ``CMA_BYTES`` (bytes one reader takes from one owner) they
-    skip the regions: in a single piece, the owners publish their tensors, step, every reader
+    owner to one reader, and from ``CMA_BYTES[op]`` (bytes one reader takes from one owner;
+    gather above 2 ranks only) they skip the regions: in a single piece, the owners publish their tensors, step, every reader
     copies what it needs straight out of the owners' memory into its output, ends the piece,
     and each owner waits for its readers before it returns (its tensor must not change while
     they read). Per transfer of ``S`` bytes one copy instead of two (into the region, out of
@@ -104,14 +104,14 @@ ONE_SHOT_BYTES = 2 << 20
 
 
 #: single-copy transfers (``regions.cma``) from this many bytes per reader and owner, by op.
-#: Measured on 2 cores, 2 and 4 ranks, with ``RINGDDP_SHM_CMA=0`` as the baseline: all-to-all
-#: (every rank both copies in and out: half its copies go) wins from 512 KiB a pair; scatter
-#: (the root's serial copy-in goes) and all-gather from 1 MiB. Broadcast and gather lose only
-#: copies that ran in parallel with the readers' (the root's or the senders', overlapped by the
-#: two halves): less CPU, but at 2 ranks no faster (gather up to 10% slower, the reader's
-#: ``process_vm_readv`` being no faster than its memcpy), so they switch only at 4 MiB, where
-#: the saved CPU shows at 4 ranks on 2 cores.
-CMA_BYTES = {"broadcast": 4 << 20, "scatter": 1 << 20, "gather": 4 << 20, "all_gather": 1 << 20, "all_to_all": 512 << 10}
+#: Measured on 2 cores, single-copy on and off alternating call by call in the same processes
+#: (medians of 20): scatter gains from 128 KiB a transfer (the root's serial copy-in goes:
+#: 0.87-0.55x the time at 2 and 4 ranks), all-to-all from 256 KiB (half of every rank's
+#: copies go: 0.96-0.59x), all-gather from 512 KiB at 2 ranks (0.93-0.80x; even at 4),
+#: broadcast from 256 KiB at 2 ranks (0.87-0.71x up to 4 MiB; at 16 MiB the halves already
+#: overlap the root's copy-in with the reader's copy-out: 1.0x) but not at 4 ranks (0.96-1.15x:
+#: three readers of one owner), hence 1 MiB. Gather: see :func:`gather`.
+CMA_BYTES = {"broadcast": 1 << 20, "scatter": 256 << 10, "gather": 4 << 20, "all_gather": 512 << 10, "all_to_all": 256 << 10}
 
 
 def _single_copy(regions: SharedRegions, op: str, nbytes: int) -> bool:
@@ -342,7 +342,11 @@ def gather(regions: SharedRegions, inp: torch.Tensor, outs: Sequence[torch.Tenso
     n, r, m, dtype = regions.world_size, regions.rank, inp.numel(), inp.dtype
     per_piece = regions.piece_bytes // inp.element_size()
     signature = _signature("gather", m, dtype, dst)
-    if _single_copy(regions, "gather", m * inp.element_size()):
+    # Single-copy saves only the senders' copies, which run beside the root's anyway, so the
+    # time (the root's copies) stays: at 2 ranks it measured 1.06-1.19x slower at every size,
+    # at 4 ranks on 2 cores, where the senders' copies compete for the cores, 0.92-0.85x
+    # from 4 MiB a transfer. It still halves the senders' CPU.
+    if n > 2 and _single_copy(regions, "gather", m * inp.element_size()):
         if r == dst:
             assert outs is not None
             _exchange_directly(regions, signature, {}, {q: outs[q] for q in range(n) if q != dst}, (outs[dst], inp))
