@@ -72,12 +72,13 @@ Scatter, gather and all-to-all: per-peer slots
 Single-copy variants (``regions.cma``: Linux cross-memory attach, see ``base.py``)
     Broadcast, scatter, gather, all-gather and all-to-all only *move* bytes, each from one
     owner to one reader, and from ``CMA_BYTES[op]`` (bytes one reader takes from one owner;
-    gather above 2 ranks only) they skip the regions: in a single piece, the owners publish their tensors, step, every reader
-    copies what it needs straight out of the owners' memory into its output, ends the piece,
-    and each owner waits for its readers before it returns (its tensor must not change while
-    they read). Per transfer of ``S`` bytes one copy instead of two (into the region, out of
-    it), for ``2σ`` (the owner's final wait) instead of ``σ`` per piece: the owner's copy
-    disappears entirely, and the call is no longer cut into half-region pieces. The owners'
+    gather above 2 ranks only) they skip the regions: in a single piece, the owners publish
+    their tensors, step, every reader copies what it needs straight out of the owners' memory
+    into its output, ends the piece, and each owner waits for its readers before it returns
+    (its tensor must not change while they read). Per transfer of ``S`` bytes one copy
+    instead of two (into the region, out of it), for ``2σ`` (the owner's final wait) instead
+    of ``σ`` per piece: the owner's copy disappears entirely, and the call is no longer cut
+    into half-region pieces. The owners'
     wait costs a wake-up (~200 µs on a VM) where it sleeps, so small transfers keep the
     regions. Every rank decides alike: from sizes all ranks know (all-to-all: per pair, from
     the count both ends of the pair pass; the header check then confirms they agree before
@@ -111,7 +112,9 @@ ONE_SHOT_BYTES = 2 << 20
 #: broadcast from 256 KiB at 2 ranks (0.87-0.71x up to 4 MiB; at 16 MiB the halves already
 #: overlap the root's copy-in with the reader's copy-out: 1.0x) but not at 4 ranks (0.96-1.15x:
 #: three readers of one owner), hence 1 MiB. Gather: see :func:`gather`.
-CMA_BYTES = {"broadcast": 1 << 20, "scatter": 256 << 10, "gather": 4 << 20, "all_gather": 512 << 10, "all_to_all": 256 << 10}
+CMA_BYTES = {
+    "broadcast": 1 << 20, "scatter": 256 << 10, "gather": 4 << 20, "all_gather": 512 << 10, "all_to_all": 256 << 10,
+}
 
 
 def _single_copy(regions: SharedRegions, op: str, nbytes: int) -> bool:

@@ -20,8 +20,9 @@ Segments
     8 MiB + (n - 1) · 2 MiB (10 MiB per rank at 2 ranks, 14 MiB at 4, 56 MiB for a 4-rank job).
     Messages larger than the FIFO stream through it in slot-sized chunks. Set
     ``RINGDDP_SHM_REGION_BYTES``, ``RINGDDP_SHM_SLOT_BYTES``, ``RINGDDP_SHM_SLOTS``, and
-    ``RINGDDP_SHM_CMA=0`` to turn single-copy reads off (rank 0's values are used by every rank). A file system too small fails on every rank with
-    :class:`ShmUnavailableError` naming the size needed and the fixes.
+    ``RINGDDP_SHM_CMA=0`` to turn single-copy reads off (rank 0's values are used by every
+    rank). A file system too small fails on every rank with :class:`ShmUnavailableError`
+    naming the size needed and the fixes.
 
 Messages
     Sender ``s`` owns ``head[s]`` and receiver ``r`` owns ``tail[s]``, both in ``r``'s control
@@ -563,7 +564,8 @@ class ShmTransport(Transport, SharedRegions):
             log.info("shm: single-copy reads are off (RINGDDP_SHM_CMA=0)")
             return False
         self._probe_word = ctypes.c_int64(secrets.randbits(63))
-        self._store.set(f"{key}/cma/{rank}", f"{os.getpid()} {ctypes.addressof(self._probe_word)} {self._probe_word.value}")
+        word = self._probe_word
+        self._store.set(f"{key}/cma/{rank}", f"{os.getpid()} {ctypes.addressof(word)} {word.value}")
         peers = {q: [int(x) for x in self._get(f"{key}/cma/{q}", q, deadline).split()] for q in range(n) if q != rank}
         failure = ""
         for q, (pid, address, value) in peers.items():
@@ -1013,8 +1015,11 @@ class ShmTransport(Transport, SharedRegions):
             raise self._gave_up(owner)
         if stamp != piece or nbytes != expected:
             what = "nothing" if stamp != piece else f"{nbytes} bytes"
-            raise self.mismatch(owner, f"rank {owner} published {what} for this rank (rank {self.rank}) to read, "
-                                       f"which expects {expected} bytes: the ranks called different collectives or sizes")
+            raise self.mismatch(
+                owner,
+                f"rank {owner} published {what} for this rank (rank {self.rank}) to read, which expects "
+                f"{expected} bytes: the ranks called different collectives or sizes",
+            )
         if nbytes:
             try:
                 _read_memory(self._pids[owner], out.data_ptr(), address, nbytes)

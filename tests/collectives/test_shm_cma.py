@@ -158,11 +158,13 @@ def mismatched_single_copy_calls(rank: int, world_size: int) -> dict[str, tuple[
     m = max(shm_algorithms.CMA_BYTES.values()) // 4 + 1 + (rank == 1)
     calls = {
         "broadcast": lambda g: collectives.broadcast(torch.ones(m), src=0, group=g),
-        "scatter": lambda g: collectives.scatter(torch.zeros(m), [torch.ones(m)] * n if rank == 0 else None, src=0, group=g),
+        "scatter": lambda g: collectives.scatter(torch.zeros(m), [torch.ones(m)] * n if rank == 0 else None, src=0,
+                                                 group=g),
         "gather": lambda g: collectives.gather(torch.ones(m), [torch.zeros(m) for _ in range(n)] if rank == 0 else None,
                                                dst=0, group=g),
         "all_gather": lambda g: collectives.all_gather([torch.zeros(m) for _ in range(n)], torch.ones(m), group=g),
-        "all_to_all": lambda g: collectives.all_to_all([torch.zeros(m) for _ in range(n)], [torch.ones(m)] * n, group=g),
+        "all_to_all": lambda g: collectives.all_to_all([torch.zeros(m) for _ in range(n)], [torch.ones(m)] * n,
+                                                       group=g),
     }
     import logging
 
