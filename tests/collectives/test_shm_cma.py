@@ -104,6 +104,47 @@ def test_single_copy_collectives_match_torch(monkeypatch, world_size, cma):
             assert on == (cma == "1") and not failures, (rank, on, failures)
 
 
+def _forbid_process_vm_readv() -> None:
+    """Install a seccomp filter in this process (every thread) that fails ``process_vm_readv``
+    with EPERM, as a container's seccomp profile may (x86-64 system call numbers)."""
+    import ctypes
+
+    class Instruction(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Instruction))]
+
+    load_nr, jump_if_equal, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS (seccomp_data.nr), BPF_JMP|JEQ|K, BPF_RET|K
+    code = (Instruction * 4)(
+        Instruction(load_nr, 0, 0, 0),
+        Instruction(jump_if_equal, 0, 1, 310),  # __NR_process_vm_readv
+        Instruction(ret, 0, 0, 0x00050000 | 1),  # SECCOMP_RET_ERRNO | EPERM
+        Instruction(ret, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
+    )
+    program = Program(4, code)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+    assert libc.syscall(317, 1, 1, ctypes.byref(program)) == 0, ctypes.get_errno()  # seccomp(SET_MODE_FILTER, TSYNC)
+
+
+def refused_rank(rank: int, world_size: int) -> tuple[bool, bool]:
+    """Rank 1 may not read other processes: every rank turns single-copy reads off, results stay right."""
+    if rank == 1:
+        _forbid_process_vm_readv()
+    m = shm_algorithms.CMA_BYTES["broadcast"] // 4 + 3
+    x = torch.full((m,), float(rank))
+    collectives.broadcast(x, src=0)
+    transport = collectives.get_group().engine(torch.device("cpu"), "test").transport
+    return transport.cma, bool((x == 0).all())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter uses x86-64 system call numbers")
+def test_single_copy_refused_on_one_rank_is_off_on_every_rank():
+    assert collectives.launch(refused_rank, 3, backend="shm", timeout=20.0, join_timeout=90) == [(False, True)] * 3
+
+
 KILL_SCRIPT = """
 import os, signal, sys, threading, time
 import torch
