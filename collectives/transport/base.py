@@ -207,8 +207,10 @@ class SharedRegions(abc.ABC):
 
     def wait_readers(self, readers: Iterable[int]) -> None:
         """After :meth:`end_piece`: wait until every rank in ``readers`` has ended the piece, so
-        none reads the tensors this rank published any more. On an error (deadline, a dead
-        reader) the publication is withdrawn first: a late reader raises instead of reading."""
+        none reads the tensors this rank published any more. When the collective fails on this
+        rank instead (here or earlier: deadline, dead peer, mismatch), the transport withdraws
+        the publication as the error leaves :meth:`Transport.operation`: a reader that has not
+        finished raises instead of returning bytes the caller may be changing."""
         raise NotImplementedError
 
     def mismatch(self, peer: int, detail: str) -> CollectiveError:

@@ -270,21 +270,25 @@ class ShmRequest(Request):
         return not self._message.chunks
 
 
-class _Checked:
-    """:meth:`ShmTransport.operation`'s context for a checked collective: labels the traffic and,
-    when the body succeeded, confirms the peers ran the same call."""
+class _Operation:
+    """:meth:`ShmTransport.operation`'s context: labels the traffic; when the body raised,
+    withdraws what this rank published for single-copy reads (its caller may change those
+    tensors now); when it succeeded and the collective is checked, confirms the peers ran the
+    same call."""
 
-    __slots__ = ("transport", "label")
+    __slots__ = ("transport", "label", "checked")
 
-    def __init__(self, transport: "ShmTransport", label: ContextManager[None]):
-        self.transport, self.label = transport, label
+    def __init__(self, transport: "ShmTransport", label: ContextManager[None], checked: bool):
+        self.transport, self.label, self.checked = transport, label, checked
 
     def __enter__(self) -> None:
         self.label.__enter__()
 
     def __exit__(self, kind: object, *rest: object) -> None:
         try:
-            if kind is None:
+            if kind is not None:
+                self.transport.withdraw()
+            elif self.checked:
                 self.transport.confirm()
         finally:
             self.label.__exit__(kind, *rest)
@@ -345,6 +349,7 @@ class ShmTransport(Transport, SharedRegions):
         self._published_header: wire.Header | None = None  # the one whose fields are in shared memory
         self._maps: list[mmap.mmap | None] = []
         self._socks: dict[Peer, socket.socket] = {}
+        self._published: list[Peer] = []  # readers of this rank's tensors in the current call (publish)
         self._allocations = 0  # symmetric allocations made (see allocate)
         self._allocated: list[mmap.mmap] = []
 
@@ -369,13 +374,13 @@ class ShmTransport(Transport, SharedRegions):
         header = wire.current()
         if header is None or self.world_size == 1:
             self._tag_base = 0
-            return super().operation(name)
+            return _Operation(self, super().operation(name), checked=False)
         self._seq += 1
         self._tag_base = header.tag_base(self._seq)
         self._header = header
         if self._set_up:
             self._publish_call()
-        return _Checked(self, super().operation(name))
+        return _Operation(self, super().operation(name), checked=True)
 
     def _publish_call(self) -> None:
         """Publish the header of the checked collective: byte counts and fields, then its number."""
@@ -545,7 +550,6 @@ class ShmTransport(Transport, SharedRegions):
             s.setblocking(False)
             self._poll.register(s.fileno(), select.POLLIN)
             self._fd_peer[s.fileno()] = q
-        self._published: list[Peer] = []
         self.cma = self._probe_cma(deadline)
         if self._tag_base:
             self._publish_call()
@@ -1045,20 +1049,25 @@ class ShmTransport(Transport, SharedRegions):
         )
 
     def wait_readers(self, readers: Iterable[Peer]) -> None:
-        """See :meth:`SharedRegions.wait_readers`. On any error the descriptors are withdrawn
-        first, so a reader that was merely slow raises instead of returning what it read."""
+        """See :meth:`SharedRegions.wait_readers`. On an error the operation's context withdraws
+        the descriptors (:meth:`withdraw`) before the caller may touch the tensors."""
         done = self._pieces
-        try:
-            for q in readers:
-                theirs = self._ctrl[q]
-                if theirs[_DONE] < done:
-                    self._await(lambda: theirs[_DONE] >= done, self._never, "waiting for a read by", q, _ON_DONE)
-        except BaseException:
+        for q in readers:
+            theirs = self._ctrl[q]
+            if theirs[_DONE] < done:
+                self._await(lambda: theirs[_DONE] >= done, self._never, "waiting for a read by", q, _ON_DONE)
+        self._published = []
+
+    def withdraw(self) -> None:
+        """Void what this rank published (piece number -1): a collective failed here, and the
+        caller may change the tensors. A reader checks its descriptor again after reading, so
+        one that has not finished raises instead of returning bytes that may have changed."""
+        if self._published and self._ctrl:
             me = _PAIR + self.rank * _PAIR + _CMA + 2
             for q in self._published:
                 self._ctrl[q][me] = -1
             _fence()
-            raise
+        self._published = []
 
     def allocate(self, nbytes: int) -> list[torch.Tensor] | None:
         """Symmetric memory: ``nbytes`` on every rank, in a segment of its own that every rank maps.

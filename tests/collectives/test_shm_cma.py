@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -190,6 +192,37 @@ def test_rank_killed_while_peers_read_or_wait(tmp_path):
     time.sleep(0.5)
     assert len(pids) == 3 and not [p for p in pids if process_alive(p)], "rank processes outlived the launcher"
     assert _shm_files() <= before, "segments left in /dev/shm"
+
+
+def stalled_reader(rank: int, world_size: int) -> tuple[str, int | None, bool]:
+    """Rank 1 stops (SIGSTOP) before a broadcast whose root then gives up on it at the deadline
+    and continues it after that. What each rank saw: (outcome, peer named, detail)."""
+    m = shm_algorithms.CMA_BYTES["broadcast"] // 4 + 1
+    x = torch.full((m,), float(rank))
+    collectives.broadcast(x, src=0)  # sets the transport up
+    pids: list[int] = [0] * world_size
+    collectives.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        threading.Timer(STALL_TIMEOUT + 1.5, os.kill, (pids[1], signal.SIGCONT)).start()
+    x.fill_(float(rank))
+    try:
+        collectives.broadcast(x, src=0)
+    except collectives.CollectiveError as exc:
+        return type(exc).__name__, exc.peer, "stopped waiting" in str(exc)
+    return "ok", None, bool((x == 0).all())
+
+
+STALL_TIMEOUT = 3.0
+
+
+@pytest.mark.timeout(120)
+def test_reader_late_for_a_root_that_gave_up_raises_instead_of_reading():
+    """The root withdraws its tensor when its wait for rank 1 times out; rank 1, continued
+    later, finds the withdrawal and raises naming the root instead of reading."""
+    results = collectives.launch(stalled_reader, 2, backend="shm", timeout=STALL_TIMEOUT, join_timeout=90)
+    assert results == [("CollectiveTimeoutError", 1, False), ("CollectiveError", 0, True)], results
 
 
 def mismatched_single_copy_calls(rank: int, world_size: int) -> dict[str, tuple[str, str | None, bool]]:
