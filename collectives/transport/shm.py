@@ -43,7 +43,8 @@ Single-copy reads (cross-memory attach)
     (address, bytes, piece number) of the tensor a reader may read into the reader's control
     block, in its pair's head line; a step makes it visible; the reader checks the bytes and
     piece number against what it expects and reads; the owner then waits until its readers
-    have ended the piece, since its tensor must stay untouched until then. Whether this works
+    have ended the piece, since its tensor must stay untouched until then (a collective that
+    fails on the owner withdraws them instead, :meth:`ShmTransport.withdraw`). Whether this works
     (same user, no Yama ``ptrace_scope`` above 0, no seccomp filter, one pid namespace) is
     probed at set-up: every rank reads a random word from each peer, and all ranks agree
     through the store. Else, or with ``RINGDDP_SHM_CMA=0`` (rank 0's value counts), it is off
