@@ -40,7 +40,7 @@ it lies and combine straight from it, instead of receiving a copy first.
 from __future__ import annotations
 
 import abc
-from typing import ContextManager, Sequence
+from typing import ContextManager, Iterable, Mapping, Sequence
 
 import torch
 
@@ -146,6 +146,17 @@ class SharedRegions(abc.ABC):
       between a ``step`` that waited for it and ``end_piece``.
     * ``end_piece()`` publishes that this rank no longer reads anybody's half ``h``.
 
+    Single-copy reads (:attr:`cma`, the same on every rank): a piece may also carry tensors
+    that stay in the owner's private memory. The owner calls :meth:`publish` between
+    ``begin_piece`` and ``step``; after a ``step`` that waited for the owner, a reader copies
+    the tensor straight into its output with :meth:`read`; after ``end_piece`` the owner calls
+    :meth:`wait_readers`, and only then may it return (the caller may change or free the tensor
+    afterwards). Through the regions a byte is copied twice (into the owner's half, out of it);
+    this way once, by the kernel. Cost per transfer of ``S`` bytes: ``σ + S`` for the reader
+    (one system call plus one copy, instead of two copies of ``S`` split between owner and
+    reader), and the owner pays a second synchronisation, waiting for its slowest reader (a
+    wake-up of ~200 µs on a VM), so it pays off for large transfers only.
+
     A transport may also offer symmetric memory (:meth:`allocate`): buffers the user computes in
     that every peer reads in place, so an all-reduce needs no copy into the regions at all.
 
@@ -159,6 +170,8 @@ class SharedRegions(abc.ABC):
     piece_bytes: int
     #: the collective running, for error messages (the transport's :attr:`Transport.op`).
     op: str
+    #: whether :meth:`publish` / :meth:`read` / :meth:`wait_readers` work (every rank agrees).
+    cma: bool = False
 
     @abc.abstractmethod
     def begin_piece(self, signature: int) -> int:
@@ -175,6 +188,30 @@ class SharedRegions(abc.ABC):
     @abc.abstractmethod
     def end_piece(self) -> None:
         """Finish the current piece: this rank reads no region's half of it any more."""
+
+    def publish(self, tensors: Mapping[int, torch.Tensor]) -> None:
+        """Let each rank ``q`` in ``tensors`` read ``tensors[q]`` (contiguous) from this rank's
+        memory during the current piece; call between :meth:`begin_piece` and :meth:`step`, and
+        end the call with :meth:`wait_readers` over the same ranks. Only when :attr:`cma`."""
+        raise NotImplementedError
+
+    def read(self, owner: int, out: torch.Tensor) -> None:
+        """Copy the tensor ``owner`` published for this rank into ``out`` (contiguous), in one copy.
+
+        Call after a :meth:`step` that waited for ``owner`` and before :meth:`end_piece`. The
+        bytes ``owner`` published must be ``out``'s, else the ranks ran different calls and this
+        raises (like ``mismatch``, telling the peers); a peer that died or stopped waiting
+        raises :class:`~collectives.errors.CollectiveError` naming it.
+        """
+        raise NotImplementedError
+
+    def wait_readers(self, readers: Iterable[int]) -> None:
+        """After :meth:`end_piece`: wait until every rank in ``readers`` has ended the piece, so
+        none reads the tensors this rank published any more. When the collective fails on this
+        rank instead (here or earlier: deadline, dead peer, mismatch), the transport withdraws
+        the publication as the error leaves :meth:`Transport.operation`: a reader that has not
+        finished raises instead of returning bytes the caller may be changing."""
+        raise NotImplementedError
 
     def mismatch(self, peer: int, detail: str) -> CollectiveError:
         """The error to raise when ``peer``'s data shows it runs another call than this rank

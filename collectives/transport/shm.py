@@ -19,9 +19,10 @@ Segments
     Size per rank: ``region_bytes + (n - 1) · slots · slot_bytes`` plus 4 KiB, by default
     8 MiB + (n - 1) · 2 MiB (10 MiB per rank at 2 ranks, 14 MiB at 4, 56 MiB for a 4-rank job).
     Messages larger than the FIFO stream through it in slot-sized chunks. Set
-    ``RINGDDP_SHM_REGION_BYTES``, ``RINGDDP_SHM_SLOT_BYTES``, ``RINGDDP_SHM_SLOTS`` (rank 0's
-    values are used by every rank). A file system too small fails on every rank with
-    :class:`ShmUnavailableError` naming the size needed and the fixes.
+    ``RINGDDP_SHM_REGION_BYTES``, ``RINGDDP_SHM_SLOT_BYTES``, ``RINGDDP_SHM_SLOTS``, and
+    ``RINGDDP_SHM_CMA=0`` to turn single-copy reads off (rank 0's values are used by every
+    rank). A file system too small fails on every rank with :class:`ShmUnavailableError`
+    naming the size needed and the fixes.
 
 Messages
     Sender ``s`` owns ``head[s]`` and receiver ``r`` owns ``tail[s]``, both in ``r``'s control
@@ -34,6 +35,21 @@ Messages
     arrive in the order posted. Progress happens inside :meth:`Request.wait` (and eagerly when a
     message is posted): a waiting rank moves every pending chunk it can, so a ring step's send
     and receive advance together.
+
+Single-copy reads (cross-memory attach)
+    Through a region every byte is copied twice: the owner into its region, the reader out of
+    it. Linux's ``process_vm_readv`` lets the reader copy straight out of the owner's private
+    tensor: one copy, done by the kernel (see :meth:`ShmTransport.publish`). The owner writes
+    (address, bytes, piece number) of the tensor a reader may read into the reader's control
+    block, in its pair's head line; a step makes it visible; the reader checks the bytes and
+    piece number against what it expects and reads; the owner then waits until its readers
+    have ended the piece, since its tensor must stay untouched until then (a collective that
+    fails on the owner withdraws them instead, :meth:`ShmTransport.withdraw`). Whether this works
+    (same user, no Yama ``ptrace_scope`` above 0, no seccomp filter, one pid namespace) is
+    probed at set-up: every rank reads a random word from each peer, and all ranks agree
+    through the store. Else, or with ``RINGDDP_SHM_CMA=0`` (rank 0's value counts), it is off
+    on every rank, logged once at INFO, and the algorithms copy through the regions. The
+    process's security settings are never changed (no ``PR_SET_PTRACER``).
 
 Waiting
     Ranks may outnumber cores (4 ranks on 2 cores), so a waiter spins only briefly
@@ -53,9 +69,11 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import dataclasses
 import datetime
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -66,7 +84,7 @@ import struct
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -91,6 +109,7 @@ _TAG = _SEQ + 1  # two words after the step: the signature of the piece in each 
 _CALL = 3 * _LINE  # the checked collective under way: its number, then its wire.Header fields
 _PAIR = 4 * _LINE  # per sender: head line, tail line, slot-size line, slot-tag line
 _BYTES = 1  # in the sender's head line: its all-to-all bytes to the owner, and from the owner
+_CMA = 3  # then the tensor it publishes to the owner (publish): address, bytes, piece number + 1
 _MAX_SLOTS = _LINE
 _PAGE = 4096
 _BUSY_SPIN = 50e-6  # seconds a waiter with a core of its own spins without yielding
@@ -109,6 +128,43 @@ def _machine() -> str:
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
     return f"{boot} {os.stat('/proc/self/ns/net').st_ino}"
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+@functools.cache
+def _process_vm_readv() -> Callable[..., int]:
+    """libc's ``process_vm_readv`` (AttributeError where libc lacks it)."""
+    f = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    iov = ctypes.POINTER(_IoVec)
+    f.argtypes = [ctypes.c_int, iov, ctypes.c_ulong, iov, ctypes.c_ulong, ctypes.c_ulong]
+    f.restype = ctypes.c_ssize_t
+    return f
+
+
+def _read_memory(pid: int, local: int, remote: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at address ``remote`` of process ``pid`` to address ``local`` of this one.
+
+    One copy, by the kernel (``process_vm_readv``; ctypes releases the GIL meanwhile). A read may
+    stop short (a page boundary the kernel could not pin): continue where it stopped. Raises
+    OSError: ESRCH (the process is gone), EPERM (not allowed to read it), EFAULT (an address
+    not mapped).
+    """
+    readv, done = _process_vm_readv(), 0
+    while done < nbytes:
+        here, there = _IoVec(local + done, nbytes - done), _IoVec(remote + done, nbytes - done)
+        got = readv(pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0)
+        if got <= 0:
+            code = ctypes.get_errno() if got < 0 else errno.EFAULT
+            raise OSError(code, f"process_vm_readv of pid {pid}: {os.strerror(code)}")
+        done += got
+
+
+def _check_contiguous(t: torch.Tensor, op: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: single-copy reads need contiguous tensors")
 
 
 class ShmUnavailableError(RuntimeError):
@@ -131,6 +187,8 @@ class ShmConfig:
         region_bytes: a rank's region for the shared-memory algorithms (two halves).
         spin_seconds: how long a waiter polls memory before it blocks (``RINGDDP_SHM_SPIN_US``);
             ``None``: 300 µs when every rank has a core, else 50 µs.
+        cma: allow single-copy reads of the peers' tensors with ``process_vm_readv`` where the
+            set-up probe finds them possible (``RINGDDP_SHM_CMA=0`` turns them off).
     """
 
     directory: str = "/dev/shm"
@@ -138,6 +196,7 @@ class ShmConfig:
     slots: int = 4
     region_bytes: int = 8 << 20
     spin_seconds: float | None = None
+    cma: bool = True
 
     @classmethod
     def from_env(cls) -> "ShmConfig":
@@ -147,6 +206,7 @@ class ShmConfig:
             slots=_env_bytes("RINGDDP_SHM_SLOTS", cls.slots),
             region_bytes=_env_bytes("RINGDDP_SHM_REGION_BYTES", cls.region_bytes),
             spin_seconds=float(os.environ["RINGDDP_SHM_SPIN_US"]) / 1e6 if os.environ.get("RINGDDP_SHM_SPIN_US") else None,
+            cma=os.environ.get("RINGDDP_SHM_CMA", "1") != "0",
         )
 
     def validate(self) -> None:
@@ -211,21 +271,25 @@ class ShmRequest(Request):
         return not self._message.chunks
 
 
-class _Checked:
-    """:meth:`ShmTransport.operation`'s context for a checked collective: labels the traffic and,
-    when the body succeeded, confirms the peers ran the same call."""
+class _Operation:
+    """:meth:`ShmTransport.operation`'s context: labels the traffic; when the body raised,
+    withdraws what this rank published for single-copy reads (its caller may change those
+    tensors now); when it succeeded and the collective is checked, confirms the peers ran the
+    same call."""
 
-    __slots__ = ("transport", "label")
+    __slots__ = ("transport", "label", "checked")
 
-    def __init__(self, transport: "ShmTransport", label: ContextManager[None]):
-        self.transport, self.label = transport, label
+    def __init__(self, transport: "ShmTransport", label: ContextManager[None], checked: bool):
+        self.transport, self.label, self.checked = transport, label, checked
 
     def __enter__(self) -> None:
         self.label.__enter__()
 
     def __exit__(self, kind: object, *rest: object) -> None:
         try:
-            if kind is None:
+            if kind is not None:
+                self.transport.withdraw()
+            elif self.checked:
                 self.transport.confirm()
         finally:
             self.label.__exit__(kind, *rest)
@@ -286,6 +350,7 @@ class ShmTransport(Transport, SharedRegions):
         self._published_header: wire.Header | None = None  # the one whose fields are in shared memory
         self._maps: list[mmap.mmap | None] = []
         self._socks: dict[Peer, socket.socket] = {}
+        self._published: list[Peer] = []  # readers of this rank's tensors in the current call (publish)
         self._allocations = 0  # symmetric allocations made (see allocate)
         self._allocated: list[mmap.mmap] = []
 
@@ -310,13 +375,13 @@ class ShmTransport(Transport, SharedRegions):
         header = wire.current()
         if header is None or self.world_size == 1:
             self._tag_base = 0
-            return super().operation(name)
+            return _Operation(self, super().operation(name), checked=False)
         self._seq += 1
         self._tag_base = header.tag_base(self._seq)
         self._header = header
         if self._set_up:
             self._publish_call()
-        return _Checked(self, super().operation(name))
+        return _Operation(self, super().operation(name), checked=True)
 
     def _publish_call(self) -> None:
         """Publish the header of the checked collective: byte counts and fields, then its number."""
@@ -439,9 +504,11 @@ class ShmTransport(Transport, SharedRegions):
         deadline = time.monotonic() + self.timeout
         if rank == 0:
             uid = secrets.token_hex(8)
-            store.set(f"{key}/setup", f"{uid},{local.slot_bytes},{local.slots},{local.region_bytes}")
-        uid, slot, slots, region = self._get(f"{key}/setup", 0, deadline).split(",")
-        self.config = dataclasses.replace(local, slot_bytes=int(slot), slots=int(slots), region_bytes=int(region))
+            store.set(f"{key}/setup", f"{uid},{local.slot_bytes},{local.slots},{local.region_bytes},{int(local.cma)}")
+        uid, slot, slots, region, cma = self._get(f"{key}/setup", 0, deadline).split(",")
+        self.config = dataclasses.replace(
+            local, slot_bytes=int(slot), slots=int(slots), region_bytes=int(region), cma=cma == "1"
+        )
         self._uid = uid
         cfg, n = self.config, self.world_size
         self._size = cfg.segment_bytes(n)
@@ -484,9 +551,47 @@ class ShmTransport(Transport, SharedRegions):
             s.setblocking(False)
             self._poll.register(s.fileno(), select.POLLIN)
             self._fd_peer[s.fileno()] = q
+        self.cma = self._probe_cma(deadline)
         if self._tag_base:
             self._publish_call()
         log.debug("shm transport %s: rank %d/%d, %d bytes per rank", uid, rank, n, self._size)
+
+    def _probe_cma(self, deadline: float) -> bool:
+        """Whether every rank can read every peer's memory (:func:`_read_memory`), agreed by all.
+
+        Each rank publishes its pid and the address of a random word in the store, reads each
+        peer's word and reports; a refusal (EPERM: Yama, seccomp), a missing system call or a
+        wrong word (the pid names another process: separate pid namespaces) turns single-copy
+        reads off on every rank, logged once. Two rounds through the store, at set-up only.
+        """
+        key, rank, n = self._key, self.rank, self.world_size
+        if not self.config.cma:
+            log.info("shm: single-copy reads are off (RINGDDP_SHM_CMA=0)")
+            return False
+        self._probe_word = ctypes.c_int64(secrets.randbits(63))
+        word = self._probe_word
+        self._store.set(f"{key}/cma/{rank}", f"{os.getpid()} {ctypes.addressof(word)} {word.value}")
+        peers = {q: [int(x) for x in self._get(f"{key}/cma/{q}", q, deadline).split()] for q in range(n) if q != rank}
+        failure = ""
+        for q, (pid, address, value) in peers.items():
+            word = ctypes.c_int64()
+            try:
+                _read_memory(pid, ctypes.addressof(word), address, 8)
+            except (OSError, AttributeError) as exc:
+                failure = f"rank {rank} cannot read rank {q}'s memory: {exc}"
+                break
+            if word.value != value:
+                failure = f"rank {q}'s pid {pid} is another process to rank {rank} (separate pid namespaces?)"
+                break
+        self._store.set(f"{key}/cma-ok/{rank}", failure or "ok")
+        reports = [self._get(f"{key}/cma-ok/{q}", q, deadline) for q in range(n)]
+        failures = [text for text in reports if text != "ok"]
+        if failures:
+            log.info("shm: single-copy reads (process_vm_readv) are unavailable, large transfers copy twice "
+                     "through shared memory: %s", failures[0])
+            return False
+        self._pids = {q: pid for q, (pid, _address, _value) in peers.items()}
+        return True
 
     @classmethod
     def for_group(cls, group: "Group", device: torch.device) -> Transport:
@@ -895,6 +1000,75 @@ class ShmTransport(Transport, SharedRegions):
             checked += q != me
         if checked == self.world_size - 1:
             self._verified = self._seq
+
+    def publish(self, tensors: Mapping[Peer, torch.Tensor]) -> None:
+        """See :meth:`SharedRegions.publish`: writes (address, bytes, piece + 1) into each reader's
+        control block, in this rank's head line there; the next :meth:`step` makes it visible."""
+        stamp, me = self._pieces + 1, _PAIR + self.rank * _PAIR + _CMA
+        for q, t in tensors.items():
+            _check_contiguous(t, self.op)
+            self._ctrl[q][me : me + 3] = array.array("q", (t.data_ptr(), t.numel() * t.element_size(), stamp))
+        self._published = list(tensors)
+
+    def read(self, owner: Peer, out: torch.Tensor) -> None:
+        """See :meth:`SharedRegions.read`."""
+        _check_contiguous(out, self.op)
+        line, mine = _PAIR + owner * _PAIR + _CMA, self._ctrl[self.rank]
+        address, nbytes, stamp = mine[line : line + 3].tolist()
+        expected, piece = out.numel() * out.element_size(), self._pieces + 1
+        if stamp < 0:
+            raise self._gave_up(owner)
+        if stamp != piece or nbytes != expected:
+            what = "nothing" if stamp != piece else f"{nbytes} bytes"
+            raise self.mismatch(
+                owner,
+                f"rank {owner} published {what} for this rank (rank {self.rank}) to read, which expects "
+                f"{expected} bytes: the ranks called different collectives or sizes",
+            )
+        if nbytes:
+            try:
+                _read_memory(self._pids[owner], out.data_ptr(), address, nbytes)
+            except OSError as exc:
+                gone = exc.errno == errno.ESRCH
+                raise CollectiveError(
+                    f"{self.op}: reading rank {owner}'s tensor failed: "
+                    + ("the peer exited" if gone else f"{exc} (RINGDDP_SHM_CMA=0 copies through shared memory instead)")
+                    + f" (this is rank {self.rank} of {self.world_size})",
+                    op=self.op,
+                    peer=owner,
+                ) from exc
+        _fence()
+        if mine[line + 2] != stamp:  # the owner gave up waiting for us: its tensor may have changed meanwhile
+            raise self._gave_up(owner)
+
+    def _gave_up(self, owner: Peer) -> CollectiveError:
+        return CollectiveError(
+            f"{self.op}: rank {owner} stopped waiting for this rank (rank {self.rank}) to read its tensor "
+            "(it failed or timed out), so the tensor may have changed",
+            op=self.op,
+            peer=owner,
+        )
+
+    def wait_readers(self, readers: Iterable[Peer]) -> None:
+        """See :meth:`SharedRegions.wait_readers`. On an error the operation's context withdraws
+        the descriptors (:meth:`withdraw`) before the caller may touch the tensors."""
+        done = self._pieces
+        for q in readers:
+            theirs = self._ctrl[q]
+            if theirs[_DONE] < done:
+                self._await(lambda: theirs[_DONE] >= done, self._never, "waiting for a read by", q, _ON_DONE)
+        self._published = []
+
+    def withdraw(self) -> None:
+        """Void what this rank published (piece number -1): a collective failed here, and the
+        caller may change the tensors. A reader checks its descriptor again after reading, so
+        one that has not finished raises instead of returning bytes that may have changed."""
+        if self._published and self._ctrl:
+            me = _PAIR + self.rank * _PAIR + _CMA + 2
+            for q in self._published:
+                self._ctrl[q][me] = -1
+            _fence()
+        self._published = []
 
     def allocate(self, nbytes: int) -> list[torch.Tensor] | None:
         """Symmetric memory: ``nbytes`` on every rank, in a segment of its own that every rank maps.
