@@ -424,7 +424,7 @@ def fuzz_cases(rank, world_size, seed, count):
     return outcomes, _healthy()
 
 
-FUZZ_CASES, FUZZ_JOBS = 200, 4
+FUZZ_CASES, FUZZ_JOBS = 200, 2
 
 
 @pytest.mark.timeout(600)
