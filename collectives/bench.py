@@ -225,7 +225,8 @@ def _barrier_skew(n: int, rounds: int = 50) -> float:
         exits[i] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process of the host
     every = [torch.zeros_like(exits) for _ in range(n)]
     tdist.all_gather(every, exits)
-    spread = torch.stack(every).amax(0) - torch.stack(every).amin(0)
+    stacked = torch.stack(every)
+    spread = stacked.amax(0) - stacked.amin(0)
     return float(spread[rounds // 5 :].median())
 
 

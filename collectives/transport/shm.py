@@ -883,10 +883,8 @@ class ShmTransport(Transport, SharedRegions):
             _fence()
             m = queue[0]
             sent = ctrl[base + 2 * _LINE + tail % slots]
-            if sent != m.nbytes and self._tag_base:
-                raise self._abandon(self._mismatch(q))
-            if sent != m.nbytes:
-                raise self._abandon(CollectiveError(
+            if sent != m.nbytes:  # checked calls: the wire check's account of both; else the sizes
+                raise self._abandon(self._mismatch(q) if self._tag_base else CollectiveError(
                     f"{self.op}: rank {q} sent a {sent}-byte message where this rank (rank {self.rank}) "
                     f"expected {m.nbytes} bytes: the ranks called different collectives or sizes",
                     op=self.op,
