@@ -25,16 +25,12 @@ from typing import Iterator, Sequence
 import torch
 
 from . import debug, validate
-from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from .group import Group, get_group
 from .ops import ReduceOp, check_op_dtype
+from .tuning import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from .work import Work
 
 # ---------------------------------------------------------------------------- argument checks
-
-
-def _check_tensor(t: object, op_name: str, what: str = "tensor") -> torch.Tensor:
-    return validate.tensor(t, op_name, what)
 
 
 def _check_list(ts: object, op_name: str, what: str, length: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -43,7 +39,7 @@ def _check_list(ts: object, op_name: str, what: str, length: int, like: torch.Te
     if len(ts) != length:
         raise ValueError(f"{op_name}: {what} has {len(ts)} tensors; the group has {length} ranks")
     for i, t in enumerate(ts):
-        _check_tensor(t, op_name, f"{what}[{i}]")
+        validate.tensor(t, op_name, f"{what}[{i}]")
         _check_same(t, like, op_name, f"{what}[{i}]")
     return list(ts)
 
@@ -120,7 +116,7 @@ def all_reduce(
     """
     name = "all_reduce"
     g, op = get_group(group), ReduceOp.coerce(op)
-    _check_tensor(tensor, name)
+    validate.tensor(tensor, name)
     check_op_dtype(op, tensor.dtype, name)
     _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
     _check_async(async_op, name)
@@ -145,7 +141,7 @@ def broadcast(
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every rank of the group."""
     name = "broadcast"
     g = get_group(group)
-    _check_tensor(tensor, name)
+    validate.tensor(tensor, name)
     root = g.group_rank(src, "src", name)
     _check_algorithm(algorithm, BROADCAST_ALGORITHMS, name)
     _check_async(async_op, name)
@@ -174,7 +170,7 @@ def reduce(
     """
     name = "reduce"
     g, op = get_group(group), ReduceOp.coerce(op)
-    _check_tensor(tensor, name)
+    validate.tensor(tensor, name)
     check_op_dtype(op, tensor.dtype, name)
     root = g.group_rank(dst, "dst", name)
     _check_algorithm(algorithm, REDUCE_ALGORITHMS, name)
@@ -195,7 +191,7 @@ def all_gather(
     """Gather ``tensor`` from every rank into ``tensor_list[i]`` (from group rank ``i``)."""
     name = "all_gather"
     g = get_group(group)
-    _check_tensor(tensor, name)
+    validate.tensor(tensor, name)
     outs = _check_list(tensor_list, name, "tensor_list", g.size(), tensor)
     _check_async(async_op, name)
     in_place = validate.is_chunk(outs[g.rank()], tensor, 0)
@@ -217,8 +213,8 @@ def all_gather_into_tensor(
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (``n`` times as many elements)."""
     name = "all_gather_into_tensor"
     g = get_group(group)
-    _check_tensor(input_tensor, name, "input_tensor")
-    _check_tensor(output_tensor, name, "output_tensor")
+    validate.tensor(input_tensor, name, "input_tensor")
+    validate.tensor(output_tensor, name, "output_tensor")
     _check_same(output_tensor, input_tensor, name, "output_tensor", numel=False)
     if output_tensor.numel() != g.size() * input_tensor.numel():
         raise ValueError(
@@ -248,7 +244,7 @@ def reduce_scatter(
     """Reduce ``input_list[i]`` across ranks and leave the result on group rank ``i`` in ``output``."""
     name = "reduce_scatter"
     g, op = get_group(group), ReduceOp.coerce(op)
-    _check_tensor(output, name, "output")
+    validate.tensor(output, name, "output")
     check_op_dtype(op, output.dtype, name)
     ins = _check_list(input_list, name, "input_list", g.size(), output)
     _check_async(async_op, name)
@@ -273,8 +269,8 @@ def reduce_scatter_tensor(
     """Reduce ``input`` (``n`` equal chunks) across ranks; group rank ``i`` gets chunk ``i`` in ``output``."""
     name = "reduce_scatter_tensor"
     g, op = get_group(group), ReduceOp.coerce(op)
-    _check_tensor(output, name, "output")
-    _check_tensor(input, name, "input")
+    validate.tensor(output, name, "output")
+    validate.tensor(input, name, "input")
     _check_same(input, output, name, "input", numel=False)
     check_op_dtype(op, output.dtype, name)
     if input.numel() != g.size() * output.numel():
@@ -305,7 +301,7 @@ def scatter(
     """Global rank ``src`` sends ``scatter_list[i]`` to group rank ``i``, which receives it in ``tensor``."""
     name = "scatter"
     g = get_group(group)
-    _check_tensor(tensor, name)
+    validate.tensor(tensor, name)
     root = g.group_rank(src, "src", name)
     if g.rank() == root:
         if scatter_list is None:
@@ -340,7 +336,7 @@ def gather(
     """Every rank sends ``tensor`` to global rank ``dst``, which stores group rank ``i``'s in ``gather_list[i]``."""
     name = "gather"
     g = get_group(group)
-    _check_tensor(tensor, name)
+    validate.tensor(tensor, name)
     root = g.group_rank(dst, "dst", name)
     if g.rank() == root:
         if gather_list is None:
@@ -380,12 +376,12 @@ def all_to_all(
     g = get_group(group)
     if not isinstance(input_tensor_list, (list, tuple)) or not input_tensor_list:
         raise TypeError(f"{name}: input_tensor_list must be a non-empty list of tensors")
-    like = _check_tensor(input_tensor_list[0], name, "input_tensor_list[0]")
+    like = validate.tensor(input_tensor_list[0], name, "input_tensor_list[0]")
     for what, ts in (("input_tensor_list", input_tensor_list), ("output_tensor_list", output_tensor_list)):
         if not isinstance(ts, (list, tuple)) or len(ts) != g.size():
             raise ValueError(f"{name}: {what} must be a list of {g.size()} tensors (one per rank)")
         for i, t in enumerate(ts):
-            _check_tensor(t, name, f"{what}[{i}]")
+            validate.tensor(t, name, f"{what}[{i}]")
             _check_same(t, like, name, f"{what}[{i}]", numel=False)
     if output_tensor_list[g.rank()].numel() != input_tensor_list[g.rank()].numel():
         raise ValueError(f"{name}: output_tensor_list[{g.rank()}] must match input_tensor_list[{g.rank()}] in size")
@@ -416,8 +412,8 @@ def all_to_all_single(
     """All-to-all on single tensors split along dim 0 (equal splits unless sizes are given)."""
     name = "all_to_all_single"
     g = get_group(group)
-    _check_tensor(input, name, "input")
-    _check_tensor(output, name, "output")
+    validate.tensor(input, name, "input")
+    validate.tensor(output, name, "output")
     _check_same(output, input, name, "output", numel=False)
     if output.dim() == 0 or input.dim() == 0:
         raise ValueError(f"{name}: input and output need at least one dimension to split")

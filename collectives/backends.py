@@ -37,7 +37,7 @@ import importlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,12 +45,9 @@ import torch.distributed as dist
 from .engine import AlgorithmEngine, Engine, TorchEngine
 from .hierarchical import HostTransport
 from .topology import Layout
-from .transport.base import Transport
+from .transport.base import GroupInfo, Transport
 from .transport.shm import ShmTransport
 from .transport.torch_p2p import TorchP2PTransport
-
-if TYPE_CHECKING:
-    from .group import Group
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +61,16 @@ class Backend:
 
     name: str
     device_types: tuple[str, ...]
-    make_transport: Callable[[Group, torch.device], Transport] | None = None
-    make_engine: Callable[[Group, torch.device], Engine] | None = None
+    make_transport: Callable[[GroupInfo, torch.device], Transport] | None = None
+    make_engine: Callable[[GroupInfo, torch.device], Engine] | None = None
     aliases: tuple[str, ...] = ()
     metadata_backend: str | None = None
     barrier_on_device: bool = False
     auto_priority: int | None = None
-    usable: Callable[[Group], bool] | None = None
+    usable: Callable[[GroupInfo], bool] | None = None
     description: str = ""
 
-    def build(self, group: Group, device: torch.device) -> Engine:
+    def build(self, group: GroupInfo, device: torch.device) -> Engine:
         """The engine of ``group`` on ``device``.
 
         A transport backend's CPU engine for a group that spans hosts also gets shared memory
@@ -107,13 +104,13 @@ def register_backend(
     name: str,
     device_types: str | tuple[str, ...],
     *,
-    make_transport: Callable[[Group, torch.device], Transport] | None = None,
-    make_engine: Callable[[Group, torch.device], Engine] | None = None,
+    make_transport: Callable[[GroupInfo, torch.device], Transport] | None = None,
+    make_engine: Callable[[GroupInfo, torch.device], Engine] | None = None,
     aliases: tuple[str, ...] = (),
     metadata_backend: str | None = None,
     barrier_on_device: bool = False,
     auto_priority: int | None = None,
-    usable: Callable[[Group], bool] | None = None,
+    usable: Callable[[GroupInfo], bool] | None = None,
     description: str = "",
     replace: bool = False,
 ) -> Backend:
@@ -123,8 +120,9 @@ def register_backend(
         name: lower-case name, e.g. ``"counting"``; must not contain ``":"``.
         device_types: ``"cpu"``, ``"cuda"``, or a tuple of them: the tensors the backend moves.
         make_transport: ``(group, device) -> Transport``: the wire for ``group`` on ``device``;
-            our algorithms run over it. Use ``group.process_group``, ``group.rank()``,
-            ``group.timeout`` and ``group.store`` (a store private to the group, for rendezvous).
+            our algorithms run over it. ``group`` is a :class:`~collectives.transport.base.GroupInfo`:
+            use ``group.process_group``, ``group.rank()``, ``group.timeout`` and ``group.store``
+            (a store private to the group, for rendezvous).
         make_engine: ``(group, device) -> Engine``: a whole engine instead (exactly one of the two).
         aliases: other names that select this backend.
         metadata_backend: the backend that carries the group's small CPU metadata (debug checks)
@@ -228,7 +226,7 @@ def get_backend(name: str) -> Backend:
     return _registry[key]
 
 
-def select_backend(name: str, device_type: str, group: Group | None, op_name: str = "select_backend") -> Backend:
+def select_backend(name: str, device_type: str, group: GroupInfo | None, op_name: str = "select_backend") -> Backend:
     """The backend that runs ``group``'s collectives on ``device_type`` tensors.
 
     ``name`` is a canonical name (from :func:`resolve_backend`); ``auto`` picks the usable
@@ -281,7 +279,7 @@ def describe_backends() -> str:
     return "; ".join(lines)
 
 
-def _shm_host_transport(group: Group) -> HostTransport:
+def _shm_host_transport(group: GroupInfo) -> HostTransport:
     """Shared memory among the ranks of one host, for the intra-host phases of the hierarchical
     collectives of a CPU group that spans hosts.
 
@@ -300,7 +298,7 @@ def _shm_host_transport(group: Group) -> HostTransport:
 # ---------------------------------------------------------------------------- built-in backends
 
 
-def _nccl_transport(group: Group, device: torch.device) -> Transport:
+def _nccl_transport(group: GroupInfo, device: torch.device) -> Transport:
     from .transport.cupy_nccl import CupyNcclTransport  # CuPy is optional: import on first use
 
     return CupyNcclTransport.create(group.process_group, group.rank(), group.timeout, device)

@@ -59,6 +59,7 @@ from .backends import backend_argument, describe_backends, device_type_of
 from .engine import AlgorithmEngine, Engine
 from .group import get_default_group, new_group
 from .launch import launch
+from .sizes import human_size, parse_size
 from .topology import Layout
 
 log = logging.getLogger(__name__)
@@ -75,19 +76,6 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
 }
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def _human(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g}{unit}"
-    return f"{nbytes}B"
 
 
 class _Case:
@@ -378,7 +366,7 @@ def format_row(r: dict, cpu: bool = False, check_cost: bool = False, shm: bool =
         text = f"{x:.{digits}f}{suffix}" if x == x else "-"  # NaN: no such row (e.g. no wire row)
         return text.rjust(width)
 
-    return (f"{r['op']:<15}{r['world_size']:>2} {r['dtype']:<9}{_human(r['bytes']):>7}{r['count']:>11} |"
+    return (f"{r['op']:<15}{r['world_size']:>2} {r['dtype']:<9}{human_size(r['bytes']):>7}{r['count']:>11} |"
             f"{num(r['ours_us'], 10, 1)}{num(r['ours_algbw'], 7, 2)}{num(r['ours_busbw'], 7, 2)}{r['wrong']:>7} |"
             f"{num(r['torch_us'], 10, 1)}{num(r['torch_busbw'], 7, 2)} |"
             f"{num(r['wire_us'], 10, 1)}{num(r['wire_busbw'], 7, 2)} |"

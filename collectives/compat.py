@@ -27,7 +27,10 @@ import torch.distributed as dist
 from . import api, debug, trace
 from .backends import resolve_backend
 from .errors import CollectiveTimeoutError, timeout_seconds
-from .group import DEFAULT_TIMEOUT, Group, get_group, get_rank, get_world_size, new_group
+from .group import (
+    DEFAULT_TIMEOUT, Group, get_default_group, get_group, get_rank, get_world_size, group_count, is_initialized,
+    new_group,
+)
 from .ops import ReduceOp
 
 #: torch's name for a group; ours is :class:`~collectives.group.Group`.
@@ -60,9 +63,7 @@ class _GroupMemberMeta(type):
     @property
     def WORLD(cls) -> Group | None:  # noqa: N802 - torch's spelling
         """The default group, or ``None`` before ``init_process_group`` (read at access time)."""
-        from . import group as group_module
-
-        return group_module.WORLD
+        return get_default_group() if is_initialized() else None
 
 
 class GroupMember(metaclass=_GroupMemberMeta):
@@ -194,9 +195,7 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
 
 def get_pg_count() -> int:
     """How many groups exist: the default group plus every subgroup this rank is a member of."""
-    from . import group as group_module
-
-    return (group_module.WORLD is not None) + len(group_module._subgroups)
+    return group_count()
 
 
 def is_backend_available(backend: str) -> bool:

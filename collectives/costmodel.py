@@ -17,7 +17,7 @@ This module measures them and checks the formulas against the clock:
   forced) for an op, a size and a host layout, with the network link ``net`` between hosts, the
   ``local`` link inside a host (the group's transport, loopback) and, where the hierarchical
   algorithms' intra-host phases run over shared memory, the ``shm`` link.
-* :func:`tuning` turns a fitted link into :class:`~collectives.engine.Tuning`: the sizes where the
+* :func:`tuning` turns a fitted link into :class:`~collectives.tuning.Tuning`: the sizes where the
   formulas of two algorithms cross.
 """
 
@@ -31,9 +31,9 @@ from typing import Sequence
 import torch
 
 from . import shm_algorithms
-from .engine import Tuning
 from .topology import Layout
 from .transport.base import SharedRegions, Transport, wait_all
+from .tuning import Tuning
 
 PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 

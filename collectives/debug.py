@@ -15,14 +15,11 @@ from __future__ import annotations
 import functools
 import os
 import zlib
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from .ops import ReduceOp
-
-if TYPE_CHECKING:
-    from .group import Group
 
 class Signature(NamedTuple):
     """What one rank's call of a collective looks like (``"-"`` / ``-1`` where not applicable)."""
@@ -94,14 +91,17 @@ def describe(sig: Signature) -> str:
     return " ".join(parts)
 
 
-def check_agreement(group: "Group", sig: Signature) -> None:
-    """All-gather every rank's signature and raise ``ValueError`` on any difference."""
+def check_agreement(
+    sig: Signature, rank: int, n: int, all_gather: Callable[[list[torch.Tensor], torch.Tensor], None]
+) -> None:
+    """All-gather every rank's signature and raise ``ValueError`` on any difference.
+
+    ``all_gather(outs, mine)`` is the group's: ``outs[r]`` receives rank ``r``'s ``mine`` (a CPU
+    int64 tensor) for each of the ``n`` ranks; ``rank`` is this rank's index among them.
+    """
     mine = _encode(sig)
-    n, rank = group.size(), group.rank()
     gathered = torch.empty(n * _FIELDS, dtype=torch.int64)
-    engine = group.metadata_engine()  # CPU metadata, also when the payloads are CUDA tensors
-    with engine.transport_op(f"{sig.name} (debug check)"):
-        engine.all_gather(list(gathered.split(_FIELDS)), mine)
+    all_gather(list(gathered.split(_FIELDS)), mine)
     rows = gathered.view(n, _FIELDS)
     mismatched = [r for r in range(n) if not torch.equal(rows[r], rows[rank])]
     if mismatched:

@@ -19,7 +19,6 @@ at a time), and owns its scratch buffers (a :class:`~collectives.buffers.Workspa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 from typing import ContextManager, Protocol, Sequence, runtime_checkable
 
@@ -31,12 +30,7 @@ from .buffers import Workspace
 from .ops import ReduceOp, finish
 from .topology import Layout
 from .transport.base import SharedRegions, Transport
-
-#: the ``algorithm=`` choices of all_reduce, broadcast and reduce.
-ALL_REDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")
-BROADCAST_ALGORITHMS = ("auto", "chain", "binomial", "hierarchical")
-REDUCE_ALGORITHMS = ("auto", "ring", "binomial")
-
+from .tuning import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS, Tuning
 
 @runtime_checkable
 class Engine(Protocol):
@@ -92,35 +86,6 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release the engine's resources; it is unusable afterwards."""
-
-
-@dataclasses.dataclass
-class Tuning:
-    """Algorithm choices of a group; must be the same on every rank.
-
-    Attributes:
-        small_bytes: messages up to this size use the latency-optimal algorithms (recursive
-            doubling, binomial reduce, direct all-gather); larger ones the bandwidth-optimal ring.
-        chain_bytes: broadcasts up to this size use the binomial tree, larger ones the pipelined
-            chain. The tree sends ``n - 1`` messages, the chain ``(n - 1) k``; when ranks share
-            cores (the loopback benchmarks) every message costs CPU and the tree wins up to at
-            least 64 MiB at 4 ranks. On a real network set it to ``small_bytes``.
-        segment_bytes: pipelining segment of the ring and chain algorithms.
-        depth: how many segments a ring keeps on the wire ahead of the one being reduced.
-    """
-
-    small_bytes: int = 4 << 20
-    chain_bytes: int = 64 << 20
-    segment_bytes: int = 4 << 20
-    depth: int = 4
-
-    @classmethod
-    def from_alpha_beta(cls, alpha: float, beta: float, world_size: int) -> "Tuning":
-        """Thresholds where the cost formulas cross for a link of latency ``alpha`` seconds and
-        ``beta`` seconds per byte (see :func:`collectives.costmodel.tuning`)."""
-        from .costmodel import Link, tuning
-
-        return tuning(Link(alpha, beta), world_size, cls())
 
 
 def as_one_buffer(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from . import debug, mailbox, trace, wire
+from . import debug, trace, wire
 from .backends import AUTO, Backend, get_backend, resolve_backend, select_backend
-from .engine import Engine, Tuning
+from .engine import Engine
 from .errors import CollectiveError, CollectiveTimeoutError, timeout_seconds
+from .mailbox import Mailbox
+from .tuning import Tuning
 from .work import Executor, Work
 
 log = logging.getLogger(__name__)
@@ -66,11 +68,15 @@ class Group:
         name: a label for messages and traces (``"world"``, ``"group[0, 1]"``).
         backend: canonical backend name (``"auto"``, ``"p2p"``, ...).
         timeout: seconds any single wait inside a collective may block.
-        tuning: algorithm thresholds and pipelining (:class:`~collectives.engine.Tuning`); change
+        tuning: algorithm thresholds and pipelining (:class:`~collectives.tuning.Tuning`); change
             them identically on every rank, between collectives.
         process_group: the torch process group used as the wire and for rendezvous.
         store: a torch ``Store`` private to this group (keys cannot clash with other groups').
         hosts: a host key per group rank (:func:`host_key`); equal keys share memory.
+        mailbox: the receives of user point-to-point messages still waiting for their payload
+            (:class:`~collectives.mailbox.Mailbox`).
+
+    A group is the :class:`~collectives.transport.base.GroupInfo` its backend builds transports from.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class Group:
         self.store = store
         self.hosts = list(hosts)
         self._rank = process_group.rank()
+        self.mailbox = Mailbox()
         self._executor = Executor(name)
         self._broken: str | None = None
         self._selected: dict[tuple[str, str], Backend] = {}
@@ -121,6 +128,31 @@ class Group:
         if global_rank not in self.ranks:
             raise ValueError(f"{op_name}: {what}={global_rank} is not a rank of this group (ranks {self.ranks})")
         return self.ranks.index(global_rank)
+
+    def peer(self, op_name: str, what: str, peer: int | None, group_peer: int | None) -> tuple[int, int]:
+        """The (group rank, global rank) of a point-to-point peer given as global ``peer`` or as
+        ``group_peer`` (``what``: ``"src"`` or ``"dst"``); raises before any traffic if it is
+        missing, both, out of range or this rank itself."""
+        if peer is None and group_peer is None:
+            if what == "src":
+                raise ValueError(
+                    f"{op_name}: src is required: collectives has no any-source receive (messages are "
+                    "matched by sender and order); pass the sender's rank"
+                )
+            raise ValueError(f"{op_name}: dst is required")
+        if peer is not None and group_peer is not None:
+            raise ValueError(f"{op_name}: pass either {what} or group_{what}, not both")
+        if group_peer is not None:
+            if isinstance(group_peer, bool) or not isinstance(group_peer, int):
+                raise TypeError(f"{op_name}: group_{what} must be an int rank, got {type(group_peer).__name__}")
+            if not 0 <= group_peer < self.size():
+                raise ValueError(f"{op_name}: group_{what}={group_peer} is out of range for a group of {self.size()}")
+            local = group_peer
+        else:
+            local = self.group_rank(peer, what, op_name)
+        if local == self._rank:
+            raise ValueError(f"{op_name}: {what} is this rank ({self.ranks[local]}); a rank cannot message itself")
+        return local, self.ranks[local]
 
     # ------------------------------------------------------------------------ engines
 
@@ -195,9 +227,9 @@ class Group:
             tracer = trace.active()
             start = time.perf_counter_ns() if tracer is not None else 0
             try:
-                mailbox.settle(self)  # receives posted by irecv take their messages before ours
+                self.mailbox.settle_shared()  # receives posted by irecv take their messages before ours
                 if level == "DETAIL":
-                    debug.check_agreement(self, signature)  # before the header: its own traffic
+                    self._check_agreement(signature)  # before the header: its own traffic
                 previous = wire.swap(header)
                 try:
                     if torch.is_grad_enabled():
@@ -208,7 +240,7 @@ class Group:
                 finally:
                     wire.swap(previous)
             except CollectiveError as exc:
-                self._mark_broken(exc)
+                self.mark_broken(exc)
                 raise
             finally:
                 if tracer is not None:
@@ -222,7 +254,32 @@ class Group:
         self._executor.call(name, run)  # inline when nothing is queued: no handle, no thread hop
         return None
 
-    def _mark_broken(self, error: CollectiveError) -> None:
+    def enqueue(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
+        """Run ``fn`` in the group's queue order, like :meth:`submit` but without the checks made
+        for collectives (DETAIL agreement, wire header, trace span): user point-to-point posts
+        its messages this way (``collectives/p2p.py``). ``work`` completes when ``fn`` has run;
+        a :class:`CollectiveError` inside ``fn`` breaks the group."""
+
+        def run() -> None:
+            try:
+                fn()
+            except CollectiveError as exc:
+                self.mark_broken(exc)
+                raise
+
+        return self._executor.submit(work, run, async_op)
+
+    def _check_agreement(self, signature: debug.Signature) -> None:
+        """DETAIL: all-gather the signature over the metadata engine (CPU, also for CUDA payloads)."""
+        engine = self.metadata_engine()
+
+        def all_gather(outs: list[torch.Tensor], mine: torch.Tensor) -> None:
+            with engine.transport_op(f"{signature.name} (debug check)"):
+                engine.all_gather(outs, mine)
+
+        debug.check_agreement(signature, self._rank, self.size(), all_gather)
+
+    def mark_broken(self, error: CollectiveError) -> None:
         """Record the first communication failure; the group refuses further collectives."""
         if self._broken is None:
             self._broken = str(error)
@@ -293,6 +350,7 @@ def init_process_group(
     store = _get_default_store()
     hosts = _exchange_hosts(store, pg.rank(), size)
     _world = Group(pg, range(size), name, seconds, "world", store=store, hosts=hosts)
+    trace.set_default_rank(_world.rank())
     log.debug("rank %d/%d joined the default group (backend %s)", _world.rank(), size, name)
     return _world
 
@@ -314,6 +372,7 @@ def destroy_process_group() -> None:
     if _world is not None:
         _world.close()
         _world = None
+        trace.set_default_rank(None)
     if _owns_torch_group and dist.is_initialized():
         dist.destroy_process_group()
     _owns_torch_group = False
@@ -321,6 +380,11 @@ def destroy_process_group() -> None:
 
 def is_initialized() -> bool:
     return _world is not None
+
+
+def group_count() -> int:
+    """How many groups this rank is in: the default group (if any) plus its subgroups."""
+    return (_world is not None) + len(_subgroups)
 
 
 def get_default_group() -> Group:

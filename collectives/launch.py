@@ -29,7 +29,10 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn
 
+import torch.distributed as dist
+
 from .errors import timeout_seconds
+from .group import destroy_process_group, init_process_group
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +97,6 @@ def launch(
 
 
 def _run_env_rank(fn, rank, size, args, backend, timeout, level) -> Any:
-    from .group import destroy_process_group, init_process_group
-
     configure_logging(rank, level)
     init_process_group(backend, init_method="env://", timeout=timeout, world_size=size, rank=rank)
     try:
@@ -119,10 +120,6 @@ def join_local(rank: int, size: int, port: int, backend: str | None, timeout, le
     """Initialise collectives in a locally spawned rank whose store is at 127.0.0.1:``port``."""
     set_parent_death_signal()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # bind gloo to loopback only
-    import torch.distributed as dist
-
-    from .group import init_process_group
-
     configure_logging(rank, level)
     seconds = timeout_seconds(timeout, _STORE_TIMEOUT)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds))
@@ -184,8 +181,6 @@ def read_report(conn: mp.connection.Connection, proc: mp.process.BaseProcess) ->
 
 
 def _child(fn, rank, size, args, backend, timeout, port, level, conn) -> None:
-    from .group import destroy_process_group
-
     try:
         join_local(rank, size, port, backend, timeout, level)
         try:
@@ -200,10 +195,8 @@ def _child(fn, rank, size, args, backend, timeout, port, level, conn) -> None:
     conn.close()
 
 
-def start_store(size: int, timeout: datetime.timedelta | float | None) -> "dist.TCPStore":
+def start_store(size: int, timeout: datetime.timedelta | float | None) -> dist.TCPStore:
     """The rendezvous store, hosted by this process on 127.0.0.1 with an OS-chosen free port."""
-    import torch.distributed as dist
-
     return dist.TCPStore(
         "127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_seconds(timeout, _STORE_TIMEOUT)),

@@ -18,24 +18,19 @@ A receive started with ``irecv`` must not block the group's queue while it waits
 header receive and leaves an :class:`Incoming` in the group's :class:`Mailbox`. Its payload
 receive is posted ("settled") by the pair's waiter thread as soon as the header arrives, or
 earlier by whoever needs it first: the caller's ``wait``, a later receive from the same peer, or,
-on a wire shared with the collectives, the group's next collective (:func:`settle`). Receives of
+on a wire shared with the collectives, the group's next collective (:meth:`Mailbox.settle_shared`). Receives of
 one pair are always settled in posting order, which keeps the order on the wire.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import CollectiveError
 from .ops import SUPPORTED_DTYPES
 from .transport.base import Request, Transport
-
-if TYPE_CHECKING:
-    from .group import Group
 
 #: dtype <-> header code (stable across processes: sorted by name).
 DTYPES: tuple[torch.dtype, ...] = tuple(sorted(SUPPORTED_DTYPES, key=str))
@@ -133,7 +128,8 @@ class Incoming:
 
 
 class Mailbox:
-    """The receives of one group whose header is posted but whose payload is not yet.
+    """The receives of one group whose header is posted but whose payload is not yet (each
+    :class:`~collectives.group.Group` owns one: ``group.mailbox``).
 
     Per pair of ranks the receives are settled strictly in posting order. While a pair has
     pending receives, a thread of its own waits for their headers and settles them as they
@@ -179,6 +175,21 @@ class Mailbox:
                 self._waiters[pair] = waiter
                 waiter.start()
 
+    def settle_shared(self) -> None:
+        """Post the payload receives pending on wires shared with the collectives: called by the
+        group before each collective.
+
+        On a wire shared with the collectives (NCCL), a collective may receive from the same peers;
+        its messages come after the user's, so the user's receives must claim theirs first.
+        Receives on a user channel (CPU) are left alone: no collective message can meet them.
+        """
+        if not self.pending:
+            return
+        channels = set(map(id, self.channels.values()))
+        for rec in list(self.pending):
+            if id(rec.transport) not in channels:
+                self.settle(until=rec)
+
     def _wait_pair(self, pair: tuple[int, int]) -> None:
         while True:
             with self.lock:
@@ -191,30 +202,3 @@ class Mailbox:
 
 def _pair(rec: Incoming) -> tuple[int, int]:
     return (id(rec.transport), rec.peer)
-
-
-_boxes: "weakref.WeakKeyDictionary[Group, Mailbox]" = weakref.WeakKeyDictionary()
-
-
-def mailbox(group: "Group") -> Mailbox:
-    box = _boxes.get(group)
-    if box is None:
-        box = _boxes.setdefault(group, Mailbox())
-    return box
-
-
-def settle(group: "Group") -> None:
-    """Post the payload receives pending on ``group``'s shared wires: called before each collective.
-
-    On a wire shared with the collectives (NCCL), a collective may receive from the same peers;
-    its messages come after the user's, so the user's receives must claim theirs first. Receives
-    on a user channel (CPU) are left alone: no collective message can meet them.
-    """
-    box = _boxes.get(group)
-    if box is None or not box.pending:
-        return
-    channels = set(map(id, box.channels.values()))
-    for rec in list(box.pending):
-        if id(rec.transport) not in channels:
-            box.settle(until=rec)
-

@@ -200,7 +200,7 @@ def send_object_list(
     name = "send_object_list"
     g = get_group(group)
     _check_list(object_list, name, "object_list")
-    p2p._check_peer(g, name, "dst", dst, group_dst)  # before pickling or any traffic
+    g.peer(name, "dst", dst, group_dst)  # before pickling or any traffic
     dev = _device(g, device)
     parts = [_to_tensor(obj, dev) for obj in object_list]
     sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64, device=dev)
@@ -224,7 +224,7 @@ def recv_object_list(
     name = "recv_object_list"
     g = get_group(group)
     _check_list(object_list, name, "object_list")
-    p2p._check_peer(g, name, "src", src, group_src)
+    g.peer(name, "src", src, group_src)
     dev = _device(g, device)
     sizes = torch.empty(len(object_list), dtype=torch.int64, device=dev)
     source = p2p.recv(sizes, src, group=g, group_src=group_src)

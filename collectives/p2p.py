@@ -50,10 +50,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import api
+from . import validate
 from .errors import CollectiveError, CollectiveTimeoutError
-from .group import Group, get_group, get_rank, get_world_size
-from .mailbox import Incoming, MessageMismatchError, header, mailbox
+from .group import Group, get_group, get_rank
+from .mailbox import Incoming, MessageMismatchError, header
 from .transport.base import Request, Transport, wait_all
 from .transport.torch_p2p import TorchP2PTransport
 from .work import Work
@@ -76,7 +76,7 @@ class P2PWork(Work):
         self._complete: Callable[[], None] = lambda: None
         self._finishing = threading.Lock()
 
-    def _finish(self, error: BaseException | None) -> None:  # the executor ran the post
+    def finish(self, error: BaseException | None) -> None:  # the group's queue ran the post
         self._post_error = error
         self._posted.set()
 
@@ -85,7 +85,7 @@ class P2PWork(Work):
         if not self._posted.wait(seconds):
             raise CollectiveTimeoutError(f"{self.name}: Work.wait timed out after {seconds}s", op=self.name)
         with self._finishing:
-            if not self._done.is_set():
+            if not self.is_completed():
                 error = self._post_error
                 if error is None:
                     try:
@@ -94,8 +94,8 @@ class P2PWork(Work):
                         error = exc
                     except CollectiveError as exc:
                         error = exc
-                        self._group._mark_broken(exc)
-                Work._finish(self, error)
+                        self._group.mark_broken(exc)
+                Work.finish(self, error)
         return super().wait(0)
 
     def get_future(self) -> torch.futures.Future:
@@ -132,30 +132,6 @@ class P2POp:
 # ---------------------------------------------------------------------------- argument checks
 
 
-def _check_peer(g: Group, name: str, what: str, peer: int | None, group_peer: int | None) -> tuple[int, int]:
-    """(group rank, global rank) of the peer; raises before any traffic."""
-    if peer is None and group_peer is None:
-        if what == "src":
-            raise ValueError(
-                f"{name}: src is required: collectives has no any-source receive (messages are "
-                "matched by sender and order); pass the sender's rank"
-            )
-        raise ValueError(f"{name}: dst is required")
-    if peer is not None and group_peer is not None:
-        raise ValueError(f"{name}: pass either {what} or group_{what}, not both")
-    if group_peer is not None:
-        if isinstance(group_peer, bool) or not isinstance(group_peer, int):
-            raise TypeError(f"{name}: group_{what} must be an int rank, got {type(group_peer).__name__}")
-        if not 0 <= group_peer < get_world_size(g):
-            raise ValueError(f"{name}: group_{what}={group_peer} is out of range for a group of {get_world_size(g)}")
-        local = group_peer
-    else:
-        local = g.group_rank(peer, what, name)
-    if local == get_rank(g):
-        raise ValueError(f"{name}: {what} is this rank ({g.ranks[local]}); a rank cannot message itself")
-    return local, g.ranks[local]
-
-
 def _check_tag(tag: object, name: str) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"{name}: tag must be an int, got {type(tag).__name__}")
@@ -180,7 +156,7 @@ def _wire(g: Group, tensor: torch.Tensor, name: str) -> Transport:
         if transport is None:
             raise ValueError(f"{name}: the {g.backend} backend has no transport for {tensor.device} tensors")
         return transport
-    box = mailbox(g)
+    box = g.mailbox
     if "cpu" not in box.channels:
         box.channels["cpu"] = TorchP2PTransport(g.process_group, get_rank(g), g.timeout, tag=USER_TAG)
     return box.channels["cpu"]
@@ -210,24 +186,13 @@ def _finish_send(work: P2PWork, transport: Transport, requests: list[Request], n
 
 
 def _finish_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
-    box = mailbox(g)
+    box = g.mailbox
 
     def complete() -> None:
         box.settle(until=rec)
         rec.complete()
 
     work._complete = complete
-
-
-def _start(g: Group, name: str, post: Callable[[], None], work: Work, async_op: bool) -> None:
-    def run() -> None:
-        try:
-            post()
-        except CollectiveError as exc:
-            g._mark_broken(exc)
-            raise
-
-    g._executor.submit(work, run, async_op)  # not g.submit: no collective agreement check
 
 
 def isend(
@@ -251,8 +216,8 @@ def _prepare(tensor, group, tag, what: str, rank, group_rank, name: str):
     """Check a point-to-point call before any traffic: its group, peer (group rank and global rank),
     tag and the transport that will carry it; returns them with a fresh handle."""
     g = get_group(group)
-    api._check_tensor(tensor, name)
-    peer, global_rank = _check_peer(g, name, what, rank, group_rank)
+    validate.tensor(tensor, name)
+    peer, global_rank = g.peer(name, what, rank, group_rank)
     tag = _check_tag(tag, name)
     transport = _wire(g, tensor, name)
     _usable(g, name)
@@ -265,7 +230,7 @@ def _send(tensor, dst, group, tag, group_dst, name: str, async_op: bool) -> P2PW
     def post() -> None:
         _finish_send(work, transport, _post_send(transport, tensor, peer, tag, name), name)
 
-    _start(g, name, post, work, async_op)
+    g.enqueue(work, post, async_op)
     return work
 
 
@@ -293,14 +258,14 @@ def _recv(tensor, src, group, tag, group_src, name: str, async_op: bool) -> tupl
     rec = Incoming(transport, tensor, peer, source, tag, name)
 
     def post() -> None:
-        box = mailbox(g)
+        box = g.mailbox
         box.settle(peer_of=rec)  # earlier receives from this peer claim their payloads first
         with transport.operation(name):
             rec.head_request = transport.irecv(rec.head, peer)
         box.add(rec)
         _finish_recv(work, g, rec)
 
-    _start(g, name, post, work, async_op)
+    g.enqueue(work, post, async_op)
     return work, source
 
 
@@ -311,10 +276,10 @@ class _Batch(Work):
         super().__init__("batch_isend_irecv")
         self._works = works
 
-    def _finish(self, error: BaseException | None) -> None:
-        super()._finish(error)
+    def finish(self, error: BaseException | None) -> None:
+        super().finish(error)
         for w in self._works:
-            w._finish(error)
+            w.finish(error)
 
 
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
@@ -337,12 +302,12 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     sends: list[tuple[torch.Tensor, int, int]] = []
     recs: list[Incoming] = []
     for op in p2p_op_list:
-        api._check_tensor(op.tensor, name)
+        validate.tensor(op.tensor, name)
         tag = _check_tag(op.tag, name)
         if op.kind == "isend":
-            sends.append((op.tensor, _check_peer(g, name, "dst", op.peer, op.group_peer)[0], tag))
+            sends.append((op.tensor, g.peer(name, "dst", op.peer, op.group_peer)[0], tag))
         else:
-            peer, source = _check_peer(g, name, "src", op.peer, op.group_peer)
+            peer, source = g.peer(name, "src", op.peer, op.group_peer)
             recs.append(Incoming(_wire(g, op.tensor, name), op.tensor, peer, source, tag, name))
     devices = {op.tensor.device for op in p2p_op_list}
     if len(devices) != 1:
@@ -352,7 +317,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     works = [P2PWork(name, g) for _ in p2p_op_list]
 
     def post() -> None:
-        box = mailbox(g)
+        box = g.mailbox
         for rec in recs:
             box.settle(peer_of=rec)
         payloads = [(t.contiguous().view(-1), peer) for t, peer, _ in sends]
@@ -379,5 +344,5 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
                 rec = next(rec_iter)
                 work._complete = rec.complete
 
-    _start(g, name, post, _Batch(works), async_op=True)
+    g.enqueue(_Batch(works), post, async_op=True)
     return list(works)

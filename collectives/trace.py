@@ -85,6 +85,16 @@ def _row_name(thread: str) -> str:
     return thread
 
 
+_default_rank: int | None = None
+
+
+def set_default_rank(rank: int | None) -> None:
+    """The rank :func:`tracing` labels its row with when given none: set by
+    ``collectives.init_process_group`` to the default group's rank, ``None`` again on destroy."""
+    global _default_rank
+    _default_rank = rank
+
+
 @contextlib.contextmanager
 def tracing(rank: int | None = None) -> Iterator[Tracer]:
     """Record spans until the block exits; yields the :class:`Tracer`.
@@ -97,9 +107,7 @@ def tracing(rank: int | None = None) -> Iterator[Tracer]:
         yield _active
         return
     if rank is None:
-        from .group import get_rank, is_initialized
-
-        rank = get_rank() if is_initialized() else 0
+        rank = 0 if _default_rank is None else _default_rank
     _active = Tracer(rank)
     try:
         yield _active

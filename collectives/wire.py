@@ -10,7 +10,7 @@ Two mechanisms, in the p2p (gloo) transport:
 1. **Tags that say what a payload message is** (every level, free). Every payload message of a
    collective is tagged with a hash of (sequence number, header, message bytes), where the
    header (:class:`Header`) is what the rank was asked to do: collective, dtype, element count,
-   reduce op, root, algorithm, a hash of the group's :class:`~collectives.engine.Tuning`, and for
+   reduce op, root, algorithm, a hash of the group's :class:`~collectives.tuning.Tuning`, and for
    all-to-all the bytes for each peer. A receive only ever matches a send of the same
    collective, arguments and size: a mismatched send is never paired, so it never aborts the
    receiver and never lands in its buffer. It costs one integer per message, nothing on the wire.
@@ -50,8 +50,8 @@ import numpy
 import torch
 
 from . import debug
-from .engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS, Tuning
 from .ops import SUPPORTED_DTYPES, ReduceOp
+from .tuning import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS, Tuning
 
 #: int64 fields of a header message.
 FIELDS = 10

@@ -90,7 +90,7 @@ class Work:
                 return self._future
             future = self._future = torch.futures.Future()
             done = self._done.is_set()
-        if done:  # finished before anyone asked: settle here (else _finish does)
+        if done:  # finished before anyone asked: settle here (else finish does)
             self._settle(future)
         return future
 
@@ -100,7 +100,9 @@ class Work:
         else:
             future.set_result(self._result)
 
-    def _finish(self, error: BaseException | None) -> None:
+    def finish(self, error: BaseException | None) -> None:
+        """Complete the handle: ``error`` is the collective's failure, or ``None``. Called once, by
+        the group's queue when the collective has run (not by users)."""
         with self._lock:
             self._error = error
             self._done.set()
@@ -158,11 +160,11 @@ class Executor:
             fn()
         except BaseException as exc:
             if work is not None:
-                work._finish(exc)
+                work.finish(exc)
             raise
         else:
             if work is not None:
-                work._finish(None)
+                work.finish(None)
         finally:
             with self._cond:
                 self._busy = False
@@ -207,10 +209,10 @@ class Executor:
                 self._busy = True
             try:
                 fn()
-                work._finish(None)
+                work.finish(None)
             except BaseException as exc:  # delivered to whoever waits on the handle
                 log.debug("%s failed on the communication thread: %s", work.name, exc)
-                work._finish(exc)
+                work.finish(exc)
             finally:
                 with self._cond:
                     self._busy = False

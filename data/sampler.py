@@ -32,6 +32,8 @@ from typing import Iterator, Sized
 import torch
 from torch.utils.data import Sampler
 
+import collectives
+
 log = logging.getLogger(__name__)
 
 
@@ -104,8 +106,6 @@ class DistributedSampler(Sampler[int]):
         except TypeError as exc:
             raise TypeError(f"DistributedSampler: dataset must have a length (len()), got {type(dataset).__name__}") from exc
         if num_replicas is None or rank is None:
-            import collectives
-
             if not collectives.is_initialized() and group is None:
                 raise RuntimeError(
                     "DistributedSampler: num_replicas/rank were not given and the collectives are not "

@@ -132,6 +132,7 @@ class DistributedDataParallel(nn.Module):
         buckets: list of :class:`~ddp.bucket.BucketInfo`, in launch order.
         last_stats: :class:`~ddp.reducer.ReductionStats` of the last synchronised backward pass.
         reducer: the :class:`~ddp.reducer.Reducer` doing the gradient work.
+        join_context: the active ``join()`` context (:class:`~ddp.join.Join` sets and clears it), or ``None``.
     """
 
     def __init__(
@@ -201,7 +202,7 @@ class DistributedDataParallel(nn.Module):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
-        self._join: Join | None = None  # inside join(): the context to notify at each forward
+        self.join_context: Join | None = None  # inside join(): the context to notify at each forward
         self._require_sync = True  # False inside no_sync()
         self._forward_sync = True  # _require_sync as it was at the last forward with grad enabled
 
@@ -247,8 +248,8 @@ class DistributedDataParallel(nn.Module):
         src = None  # buffers come from the group's first rank; inside join() from the one notify names
         if torch.is_grad_enabled():
             self._forward_sync = self._require_sync
-            if self._join is not None:
-                src = self._join.notify(self._require_sync)
+            if self.join_context is not None:
+                src = self.join_context.notify(self._require_sync)
         with trace.span("forward", "ddp"):
             if self.broadcast_buffers:
                 buffers = list(self.module.buffers())

@@ -40,19 +40,33 @@ from __future__ import annotations
 
 import logging
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 import collectives
-from collectives import ReduceOp, trace
+from collectives import Group, ReduceOp, trace
 
 from .sync import broadcast_tensors
 
-if TYPE_CHECKING:
-    from .distributed import DistributedDataParallel
-
 log = logging.getLogger(__name__)
+
+
+class Joinable(Protocol):
+    """What :class:`Join` needs of the model it shadows (our ``DistributedDataParallel`` has it).
+
+    Attributes:
+        module: the wrapped module (its parameters and buffers are what a joined rank shadows).
+        process_group: the group the model reduces over (``None``: the default group).
+        broadcast_buffers: whether each forward broadcasts the buffers.
+        join_context: the active :class:`Join`, set by its ``__enter__`` and cleared by its
+            ``__exit__``; the model's forward calls :meth:`Join.notify` while it is set.
+    """
+
+    module: torch.nn.Module
+    process_group: Group | None
+    broadcast_buffers: bool
+    join_context: "Join | None"
 
 
 class Join:
@@ -68,7 +82,7 @@ class Join:
 
     def __init__(
         self,
-        model: "DistributedDataParallel",
+        model: Joinable,
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
         throw_on_early_termination: bool = False,
@@ -84,9 +98,9 @@ class Join:
 
     def __enter__(self) -> "Join":
         if self.enable:
-            if self.model._join is not None:
+            if self.model.join_context is not None:
                 raise RuntimeError("join: this model is already inside a join() context")
-            self.model._join = self
+            self.model.join_context = self
         return self
 
     def notify(self, sync: bool) -> int:
@@ -109,7 +123,7 @@ class Join:
     ) -> bool:
         if not self.enable:
             return False
-        self.model._join = None
+        self.model.join_context = None
         if exc_type is not None:  # the loop failed: do not shadow, let the error surface
             return False
         g = collectives.get_group(self.model.process_group)

@@ -50,7 +50,7 @@ import tempfile
 import time
 from typing import Any, Callable, Sequence
 
-from ..launch import Report
+from ..launch import Report, grace_seconds, launch, raise_failure, set_parent_death_signal
 from . import linkemu
 
 log = logging.getLogger(__name__)
@@ -297,8 +297,6 @@ class HostNet:
         raise has its exception re-raised here with its traceback as a note (the others get a
         grace period, then are killed). ``fn`` must be importable by module and name.
         """
-        from ..launch import grace_seconds, raise_failure
-
         size = self.hosts * ranks_per_host
         with tempfile.TemporaryDirectory(prefix="ringddp-hosts-") as tmp:
             main = _main_source() if fn.__module__ == "__main__" else None
@@ -393,8 +391,6 @@ def _load_main(source: tuple[str, str]) -> None:
 
 def _rank_main(tmp: str) -> None:
     """One rank inside a namespace host: join through env://, run the job, write the report."""
-    from ..launch import set_parent_death_signal, launch
-
     set_parent_death_signal()
     rank = int(os.environ["RANK"])
     try:

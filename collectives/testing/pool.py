@@ -23,14 +23,14 @@ import multiprocessing.connection
 import time
 from typing import Any, Callable
 
+from ..errors import CollectiveError
+from ..group import destroy_process_group
 from ..launch import LaunchError, Report, join_local, raise_failure, read_report, send_report, start_store, stop_ranks
 
 log = logging.getLogger(__name__)
 
 
 def _worker(rank: int, size: int, port: int, backend: str | None, timeout: float, level: int, conn) -> None:
-    from ..group import destroy_process_group
-
     try:
         join_local(rank, size, port, backend, timeout, level)
         send_report(conn, Report("ready"))
@@ -155,6 +155,4 @@ class WorkerPool:
 
 
 def _breaks_group(report: Report) -> bool:
-    from ..errors import CollectiveError
-
     return report.status == "error" and (report.error is None or isinstance(report.error, CollectiveError))

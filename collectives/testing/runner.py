@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as fixed_seed
 
-from ..bench import parse_size
+from ..sizes import parse_size
 from .checks import Counterexample, assert_matches_reference
 from .pool import WorkerPool
 from .strategies import COLLECTIVES, DEFAULT_MAX_BYTES, LAYOUTS, cases

@@ -23,8 +23,8 @@ from typing import Iterable, Sequence
 import torch
 from hypothesis import strategies as st
 
-from ..engine import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from ..ops import SUPPORTED_DTYPES, ReduceOp
+from ..tuning import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 
 COLLECTIVES = (
     "all_reduce",

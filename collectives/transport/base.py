@@ -31,6 +31,10 @@ The contract is deliberately small:
 Buffers handed to a transport are contiguous; the caller keeps them alive and untouched until
 the request completes.
 
+A backend builds its transport from what it knows of the group (:class:`GroupInfo`: rank, size,
+deadline, a private store, the hosts of the ranks, torch's process group), never from the
+group object itself: the transport layer sits below the groups that own transports.
+
 One optional capability goes beyond messages: :meth:`Transport.shared_regions` returns a
 :class:`SharedRegions` when the ranks share memory (the ``shm`` transport), and ``None``
 otherwise. Algorithms that use it (``collectives/shm_algorithms.py``) read the peers' data where
@@ -40,14 +44,47 @@ it lies and combine straight from it, instead of receiving a copy first.
 from __future__ import annotations
 
 import abc
-from typing import ContextManager, Iterable, Mapping, Sequence
+from typing import ContextManager, Iterable, Mapping, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..errors import CollectiveError
+from ..tuning import Tuning
 
 Peer = int
 Message = tuple[torch.Tensor, Peer]
+
+
+class GroupInfo(Protocol):
+    """What a backend may use of the group it builds a transport (or engine) for.
+
+    :class:`collectives.group.Group` provides it; so can anything else with these members (a test,
+    a torch process-group adapter). Everything here is fixed for the group's lifetime.
+
+    Attributes:
+        name: a label for messages (``"world"``, ``"group[0, 1]"``).
+        backend: the canonical backend name the group asked for (``"auto"``, ``"shm"``, ...).
+        timeout: seconds any single wait may block.
+        store: a torch ``Store`` private to the group, for the transport's own rendezvous.
+        hosts: one host key per group rank; equal keys can share memory.
+        process_group: torch's process group of the members (gloo), usable as a wire.
+        tuning: the group's algorithm thresholds, shared (an engine reads them at every call).
+    """
+
+    name: str
+    backend: str
+    timeout: float
+    store: dist.Store
+    hosts: Sequence[str]
+    process_group: dist.ProcessGroup
+    tuning: Tuning
+
+    def rank(self) -> int:
+        """This process's rank within the group."""
+
+    def size(self) -> int:
+        """The number of ranks in the group."""
 
 
 class Request(abc.ABC):

@@ -84,18 +84,15 @@ import struct
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Mapping
+from typing import Callable, ContextManager, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from .. import wire
 from ..errors import CollectiveError, CollectiveTimeoutError
-from .base import Peer, Request, SharedRegions, Transport
+from .base import GroupInfo, Peer, Request, SharedRegions, Transport
 from .torch_p2p import TorchP2PTransport
-
-if TYPE_CHECKING:
-    from ..group import Group
 
 log = logging.getLogger(__name__)
 
@@ -594,7 +591,7 @@ class ShmTransport(Transport, SharedRegions):
         return True
 
     @classmethod
-    def for_group(cls, group: "Group", device: torch.device) -> Transport:
+    def for_group(cls, group: GroupInfo, device: torch.device) -> Transport:
         """The ``shm`` backend's factory: the transport of ``group``.
 
         The segments are set up by the first collective (so a missing peer gives that
@@ -607,7 +604,7 @@ class ShmTransport(Transport, SharedRegions):
         return cls(group.rank(), group.size(), group.timeout, group.store, fallback=fallback)
 
     @staticmethod
-    def usable(group: "Group | None") -> bool:
+    def usable(group: GroupInfo | None) -> bool:
         """Whether ``auto`` may pick shm for ``group``: every rank on this host (by host key).
 
         The constructor checks the rest (one kernel and network namespace, space for the

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import datetime
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from .. import wire
 from ..errors import CollectiveError, CollectiveTimeoutError
-from .base import Peer, Request, Transport
-
-if TYPE_CHECKING:
-    from ..group import Group
+from .base import GroupInfo, Peer, Request, Transport
 
 
 class TorchP2PRequest(Request):
@@ -128,7 +125,7 @@ class TorchP2PTransport(Transport):
         return self._channel if self._tag_base is None else wire.tag(self._tag_base, tensor.numel() * tensor.element_size())
 
     @classmethod
-    def for_group(cls, group: "Group", device: torch.device) -> "TorchP2PTransport":
+    def for_group(cls, group: GroupInfo, device: torch.device) -> "TorchP2PTransport":
         """The transport of a collectives group (the ``p2p`` backend's factory)."""
         return cls(group.process_group, group.rank(), group.timeout)
 

@@ -8,7 +8,7 @@ import pytest
 
 from collectives import bench
 from collectives.costmodel import Link, algorithm_for, fit, predict, tuning
-from collectives.engine import Tuning
+from collectives.tuning import Tuning
 from collectives.topology import Layout
 
 TWO_BY_TWO = Layout(((0, 1), (2, 3)))
@@ -53,12 +53,12 @@ def test_predictions_follow_the_formulas():
 
 
 def test_tuning_from_alpha_beta():
-    t = Tuning.from_alpha_beta(1e-3, 8e-9, 8)  # 1 ms, 1 Gbit/s, 8 ranks
+    t = tuning(Link(1e-3, 8e-9), 8)  # 1 ms, 1 Gbit/s, 8 ranks
     # recursive doubling 3(a + Sb) = ring 14a + 1.75 Sb  at  S = 11a / 1.25b
     assert t.small_bytes == pytest.approx(11 * 1e-3 / (1.25 * 8e-9), rel=1e-6)
     assert t.chain_bytes == t.small_bytes
     assert t.segment_bytes == 1 << 20  # 8 a / b = 1 MB, as a power of two
-    assert Tuning.from_alpha_beta(1e-3, 8e-9, 2).small_bytes >= 1 << 40  # two ranks: always recursive doubling
+    assert tuning(Link(1e-3, 8e-9), 2).small_bytes >= 1 << 40  # two ranks: always recursive doubling
     assert tuning(Link(1e-6, 1e-10), 4).segment_bytes == 1 << 16  # clamped
 
 

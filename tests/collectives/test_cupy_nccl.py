@@ -656,7 +656,8 @@ def test_close_aborts_when_pending_work_never_finishes():
 import ctypes
 import threading
 
-from collectives.engine import AlgorithmEngine, Tuning
+from collectives.engine import AlgorithmEngine
+from collectives.tuning import Tuning
 from collectives.ops import ReduceOp
 
 _NCCL_ITEMSIZE = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2}

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import collectives
-from collectives.engine import Tuning
+from collectives.tuning import Tuning
 from collectives.testing import assert_matches_reference, cases
 
 RING_USERS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor")

@@ -23,7 +23,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from collectives.engine import Tuning
+from collectives.tuning import Tuning
 from collectives.testing import assert_matches_reference, cases
 from tests.collectives.test_pipelining import set_tuning
 

@@ -13,7 +13,7 @@ from collectives.work import Work
 def test_future_of_a_finished_work_holds_the_result_list():
     t = torch.ones(3)
     work = Work("all_reduce", [t])
-    work._finish(None)
+    work.finish(None)
     fut = work.get_future()
     assert fut.done() and fut.value()[0] is t
     assert work.get_future() is fut  # one future per work
@@ -23,7 +23,7 @@ def test_future_asked_for_before_the_end_settles_at_the_end():
     work = Work("barrier")
     fut = work.get_future()
     assert not fut.done()
-    work._finish(None)
+    work.finish(None)
     assert fut.wait() == []  # a collective that writes nothing
 
 
@@ -31,7 +31,7 @@ def test_error_reaches_the_future_and_then_callbacks():
     work = Work("all_reduce", [torch.ones(1)])
     fut = work.get_future()
     chained = fut.then(lambda f: f.value()[0] * 2)
-    work._finish(CollectiveTimeoutError("all_reduce: no message from rank 1", op="all_reduce", peer=1))
+    work.finish(CollectiveTimeoutError("all_reduce: no message from rank 1", op="all_reduce", peer=1))
     with pytest.raises(CollectiveTimeoutError, match="rank 1"):
         fut.wait()  # the collective's own error, type kept
     with pytest.raises(RuntimeError, match="CollectiveTimeoutError"):

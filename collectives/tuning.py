@@ -1,0 +1,36 @@
+"""The algorithm choices of a group: the names each collective accepts, and :class:`Tuning`.
+
+Both the engine (which picks an algorithm by size) and the wire check (which compares the
+choice across ranks) read these; the cost model derives a :class:`Tuning` from a measured link
+(:func:`collectives.costmodel.tuning`). Nothing here moves data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: the ``algorithm=`` choices of all_reduce, broadcast and reduce.
+ALL_REDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")
+BROADCAST_ALGORITHMS = ("auto", "chain", "binomial", "hierarchical")
+REDUCE_ALGORITHMS = ("auto", "ring", "binomial")
+
+
+@dataclasses.dataclass
+class Tuning:
+    """Algorithm choices of a group; must be the same on every rank.
+
+    Attributes:
+        small_bytes: messages up to this size use the latency-optimal algorithms (recursive
+            doubling, binomial reduce, direct all-gather); larger ones the bandwidth-optimal ring.
+        chain_bytes: broadcasts up to this size use the binomial tree, larger ones the pipelined
+            chain. The tree sends ``n - 1`` messages, the chain ``(n - 1) k``; when ranks share
+            cores (the loopback benchmarks) every message costs CPU and the tree wins up to at
+            least 64 MiB at 4 ranks. On a real network set it to ``small_bytes``.
+        segment_bytes: pipelining segment of the ring and chain algorithms.
+        depth: how many segments a ring keeps on the wire ahead of the one being reduced.
+    """
+
+    small_bytes: int = 4 << 20
+    chain_bytes: int = 64 << 20
+    segment_bytes: int = 4 << 20
+    depth: int = 4
