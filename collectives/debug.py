@@ -4,10 +4,12 @@ Point-to-point algorithms trust that every rank calls the same collective with m
 arguments; when they don't (a rank skips a call, passes another size or dtype), the messages pair
 up wrongly. The wire check (:mod:`collectives.wire`: payload tags at every level, a header
 exchange from CHECK up) turns that into a ``CollectiveError``. With ``RINGDDP_DEBUG=DETAIL`` (like
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every collective first also all-gathers a small fixed-size
-signature — collective, dtype, element count, shape, reduce op, root — and every rank raises the
-same ``ValueError`` describing the mismatch if they differ. It costs one extra small all-gather
-per collective.
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every collective first also all-gathers a small signature —
+collective, dtype, element count, shape, reduce op, root, and what the wire header compares
+besides (algorithm, the group's ``Tuning``, for all-to-all the bytes for each peer) — and every
+rank raises the same ``ValueError`` describing the mismatch if they differ. No payload has moved
+then, so the group stays usable: every mismatch the wire check could see is caught here first.
+It costs one extra small all-gather per collective (``8 + 2n`` integers per rank).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import zlib
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -33,15 +35,17 @@ class Signature(NamedTuple):
     nbytes: int  # payload size, for traces; not compared (numel and dtype are)
 
 
-_FIELDS = 6  # name .. root are compared across ranks
+#: the fixed fields of the all-gathered signature (then the bytes to and from each peer)
+_FIELD_NAMES = ("collective", "dtype", "numel", "shape", "op", "root", "algorithm", "tuning")
+_FIELDS = len(_FIELD_NAMES)
 
 
 #: ``RINGDDP_DEBUG`` levels, cheapest first (see :mod:`collectives.wire`). OFF: payload messages
 #: are tagged with what they are, so a mismatch never aborts a process or corrupts a result, but it
 #: surfaces only at the group's deadline (``CollectiveTimeoutError``). CHECK (default): plus a
 #: header exchange, so a mismatch is a ``CollectiveError`` describing both calls at once on every
-#: rank. DETAIL: CHECK plus the all-gathered signature below (also compares shapes; a
-#: ``ValueError``, and the group stays usable).
+#: rank. DETAIL: CHECK plus the all-gathered signature below (compares shapes too, and everything
+#: the header does; a ``ValueError`` before any payload moves, and the group stays usable).
 LEVELS = ("OFF", "CHECK", "DETAIL")
 DEFAULT_LEVEL = "CHECK"
 _SPELLINGS = {"": DEFAULT_LEVEL, "0": "OFF", "FALSE": "OFF", "1": "DETAIL", "ON": "DETAIL", "TRUE": "DETAIL"}
@@ -74,13 +78,21 @@ def signature(
     )  # fmt: skip
 
 
-def _encode(sig: Signature) -> torch.Tensor:
-    h = lambda s: zlib.crc32(str(s).encode())  # noqa: E731 - stable across processes, unlike hash()
-    return torch.tensor([h(sig.name), h(sig.dtype), sig.numel, h(sig.shape), h(sig.op), sig.root], dtype=torch.int64)
+def _code(value: object) -> int:
+    return zlib.crc32(str(value).encode())  # stable across processes, unlike hash()
+
+
+def _encode(
+    sig: Signature, algorithm: str, tuning: int, sizes: tuple[Sequence[int], Sequence[int]] | None, n: int
+) -> torch.Tensor:
+    fixed = [_code(sig.name), _code(sig.dtype), sig.numel, _code(sig.shape), _code(sig.op), sig.root,
+             _code(algorithm), tuning]  # fmt: skip
+    pairs = [*sizes[0], *sizes[1]] if sizes is not None else [-1] * (2 * n)
+    return torch.tensor(fixed + pairs, dtype=torch.int64)
 
 
 def describe(sig: Signature) -> str:
-    name, dtype, numel, shape, op, root = sig[:_FIELDS]
+    name, dtype, numel, shape, op, root = sig[:6]
     parts = [name]
     if dtype != "-":
         parts.append(f"dtype={dtype} shape={list(shape)} numel={numel}")
@@ -92,24 +104,44 @@ def describe(sig: Signature) -> str:
 
 
 def check_agreement(
-    sig: Signature, rank: int, n: int, all_gather: Callable[[list[torch.Tensor], torch.Tensor], None]
+    sig: Signature,
+    rank: int,
+    n: int,
+    all_gather: Callable[[list[torch.Tensor], torch.Tensor], None],
+    algorithm: str = "-",
+    tuning: int = 0,
+    sizes: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> None:
     """All-gather every rank's signature and raise ``ValueError`` on any difference.
 
     ``all_gather(outs, mine)`` is the group's: ``outs[r]`` receives rank ``r``'s ``mine`` (a CPU
     int64 tensor) for each of the ``n`` ranks; ``rank`` is this rank's index among them.
+    ``algorithm``, ``tuning`` (a hash of the group's ``Tuning``) and ``sizes`` (all-to-all: bytes
+    this rank sends to, and expects from, each rank) are what the wire header compares besides:
+    checked here too, so every mismatch the header would find is found before any payload moves.
+    Every rank sees every row, so all raise the same error.
     """
-    mine = _encode(sig)
-    gathered = torch.empty(n * _FIELDS, dtype=torch.int64)
-    all_gather(list(gathered.split(_FIELDS)), mine)
-    rows = gathered.view(n, _FIELDS)
-    mismatched = [r for r in range(n) if not torch.equal(rows[r], rows[rank])]
+    mine = _encode(sig, algorithm, tuning, sizes, n)
+    width = mine.numel()
+    gathered = torch.empty(n * width, dtype=torch.int64)
+    all_gather(list(gathered.split(width)), mine)
+    rows = gathered.view(n, width)
+    fixed = rows[:, :_FIELDS]
+    mismatched = [r for r in range(n) if not torch.equal(fixed[r], fixed[rank])]
     if mismatched:
         # Each rank only knows its own readable signature; the codes tell which fields differ.
-        fields = ["collective", "dtype", "numel", "shape", "op", "root"]
-        diffs = sorted({fields[i] for r in mismatched for i in range(_FIELDS) if rows[r, i] != mine[i]})
+        diffs = sorted({_FIELD_NAMES[i] for r in mismatched for i in range(_FIELDS) if fixed[r, i] != fixed[rank, i]})
         raise ValueError(
             f"{sig.name}: ranks disagree on {', '.join(diffs)} (RINGDDP_DEBUG check). This rank "
-            f"({rank}) called {describe(sig)}; ranks {mismatched} called something else"
+            f"({rank}) called {describe(sig)}"
+            + (f" (algorithm={algorithm})" if "algorithm" in diffs else "")
+            + f"; ranks {mismatched} called something else"
             + (f" (numel {[int(rows[r, 2]) for r in range(n)]})" if "numel" in diffs else "")
+        )
+    sends, recvs = rows[:, _FIELDS : _FIELDS + n], rows[:, _FIELDS + n :]
+    if sizes is not None and not torch.equal(sends, recvs.T):  # rank i's bytes to j are what j expects from i
+        i, j = next((i, j) for i in range(n) for j in range(n) if sends[i, j] != recvs[j, i])
+        raise ValueError(
+            f"{sig.name}: ranks disagree on the bytes exchanged (RINGDDP_DEBUG check): rank {i} sends "
+            f"{int(sends[i, j])} bytes to rank {j}, which expects {int(recvs[j, i])} from it"
         )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import collectives
+from collectives.tuning import Tuning
 
 W = 2
 
@@ -513,6 +514,40 @@ def test_named_mismatches_raise_collective_error_on_every_rank(monkeypatch, back
             kind, message = outcomes[name]
             assert kind == "CollectiveError", (rank, name, kind, message)
             assert "called a different collective" in message and "differ in" in message and field in message, (rank, name, message)
+
+
+def named_mismatches_detail(rank, world_size):
+    """At DETAIL each mismatch is a ValueError naming the field before any payload moves, and the
+    group it happened on is still usable afterwards."""
+    outcomes = {}
+    for name, ((a, b), _) in NAMED_MISMATCHES.items():
+        group = _subgroup()
+        try:
+            run_spec(a if rank == 0 else b, rank, group)
+            outcome = ("no error", "")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcome = (type(exc).__name__, str(exc))
+        group.tuning = Tuning()  # the "different Tuning" case changed it on one rank: agree again
+        t = torch.tensor([float(rank + 1)])
+        collectives.all_reduce(t, group=group)
+        outcomes[name] = (*outcome, t.item() == 3.0)
+        group.close()
+    return outcomes, _healthy()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["p2p", "shm"])
+def test_detail_catches_every_named_mismatch_and_the_group_survives(monkeypatch, backend):
+    """README: at DETAIL a mismatched call raises on every rank and the group stays usable; that
+    includes what only the wire header compares (algorithm, Tuning, all-to-all bytes per peer)."""
+    monkeypatch.setenv("RINGDDP_DEBUG", "DETAIL")
+    results = collectives.launch(named_mismatches_detail, 2, backend=backend, timeout=20.0, join_timeout=150)
+    for rank, (outcomes, healthy) in enumerate(results):
+        assert healthy
+        for name, ((_, _), field) in NAMED_MISMATCHES.items():
+            kind, message, usable = outcomes[name]
+            assert kind == "ValueError" and "ranks disagree on" in message and field in message, (rank, name, message)
+            assert usable, (rank, name, "the group is unusable after the mismatch")
 
 
 def uneven_all_to_all(rank, world_size):
