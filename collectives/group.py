@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -71,7 +72,8 @@ class Group:
         tuning: algorithm thresholds and pipelining (:class:`~collectives.tuning.Tuning`); change
             them identically on every rank, between collectives.
         process_group: the torch process group used as the wire and for rendezvous.
-        store: a torch ``Store`` private to this group (keys cannot clash with other groups').
+        store: a torch ``Store`` private to this group: keys cannot clash with other groups', and a
+            TCP store gets a connection of its own (:func:`own_connection`).
         hosts: a host key per group rank (:func:`host_key`); equal keys share memory.
         mailbox: the receives of user point-to-point messages still waiting for their payload
             (:class:`~collectives.mailbox.Mailbox`).
@@ -229,7 +231,7 @@ class Group:
             try:
                 self.mailbox.settle_shared()  # receives posted by irecv take their messages before ours
                 if level == "DETAIL":
-                    self._check_agreement(signature)  # before the header: its own traffic
+                    self._check_agreement(signature, header)  # before the header: its own traffic
                 previous = wire.swap(header)
                 try:
                     if torch.is_grad_enabled():
@@ -269,15 +271,22 @@ class Group:
 
         return self._executor.submit(work, run, async_op)
 
-    def _check_agreement(self, signature: debug.Signature) -> None:
-        """DETAIL: all-gather the signature over the metadata engine (CPU, also for CUDA payloads)."""
+    def _check_agreement(self, signature: debug.Signature, header: wire.Header | None) -> None:
+        """DETAIL: all-gather the signature, with what the wire ``header`` compares besides, over
+        the metadata engine (CPU, also for CUDA payloads)."""
         engine = self.metadata_engine()
 
         def all_gather(outs: list[torch.Tensor], mine: torch.Tensor) -> None:
             with engine.transport_op(f"{signature.name} (debug check)"):
                 engine.all_gather(outs, mine)
 
-        debug.check_agreement(signature, self._rank, self.size(), all_gather)
+        if header is None:  # not a collective of the wire check (symmetric_empty)
+            debug.check_agreement(signature, self._rank, self.size(), all_gather)
+            return
+        sizes = (header.sends, header.recvs) if header.sends is not None and header.recvs is not None else None
+        debug.check_agreement(
+            signature, self._rank, self.size(), all_gather, header.algorithm, header.tuning, sizes
+        )
 
     def mark_broken(self, error: CollectiveError) -> None:
         """Record the first communication failure; the group refuses further collectives."""
@@ -290,6 +299,23 @@ class Group:
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()
+
+
+def own_connection(store: dist.Store) -> dist.Store:
+    """``store`` over a connection of its own (``Store.clone``; the store itself where it cannot).
+
+    A TCPStore client serves one request at a time, and ``wait`` holds it until the key appears.
+    Groups set up their transports lazily, on their own communication threads, through the store
+    (``shm`` exchanges segments in a group's first collective): over one shared client, one
+    group's wait for a peer that is busy elsewhere would hold up every other group's set-up on
+    this rank, and ranks starting overlapping groups in different orders would wait on each other
+    until the deadline. Each group talks to the store over its own connection instead.
+    """
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError) as exc:  # a store type without clone: share it
+        log.debug("store %s cannot be cloned (%s): groups share its connection", type(store).__name__, exc)
+        return store
 
 
 def _exchange_hosts(store: dist.Store, rank: int, size: int) -> list[str]:
@@ -347,7 +373,7 @@ def init_process_group(
             ) from exc
         _owns_torch_group = True
     pg, size = dist.group.WORLD, dist.get_world_size()
-    store = _get_default_store()
+    store = own_connection(_get_default_store())
     hosts = _exchange_hosts(store, pg.rank(), size)
     _world = Group(pg, range(size), name, seconds, "world", store=store, hosts=hosts)
     trace.set_default_rank(_world.rank())
@@ -393,33 +419,91 @@ def get_default_group() -> Group:
     return _world
 
 
-def get_group(group: Group | None = None) -> Group:
-    """``group``, or the default group when ``None``; ``TypeError`` for anything else."""
+#: torch's ``GroupMember.NON_GROUP_MEMBER``: what ``new_group`` gives a rank outside the group.
+NON_GROUP_MEMBER: int = dist.GroupMember.NON_GROUP_MEMBER
+
+
+class NonMember:
+    """What :func:`new_group` returns on a rank that is not a member (torch returns
+    ``GroupMember.NON_GROUP_MEMBER``, and this compares equal to it).
+
+    Given one, collectives and ``isend``/``irecv``/``recv`` do nothing and warn as torch does
+    (:func:`member`); ``get_rank``/``get_world_size`` answer -1; ``get_process_group_ranks``,
+    ``get_group_rank`` and ``get_global_rank`` answer about the group (torch answers about the
+    last group created, which is the same group when there is one); calls that need a member
+    (``send``, ``send_object_list``, ``get_backend``, DDP, ...) raise ``ValueError``.
+
+    Attributes:
+        ranks: the global ranks of the group's members.
+    """
+
+    def __init__(self, ranks: Sequence[int]):
+        self.ranks = list(ranks)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NonMember) or (type(other) is int and other == NON_GROUP_MEMBER)
+
+    def __hash__(self) -> int:
+        return hash(NON_GROUP_MEMBER)
+
+    def __repr__(self) -> str:
+        return f"NonMember(ranks={self.ranks})"
+
+
+def is_non_member(group: object) -> bool:
+    """Whether ``group`` says this rank is outside it (a :class:`NonMember` or torch's marker)."""
+    return isinstance(group, NonMember) or (type(group) is int and group == NON_GROUP_MEMBER)
+
+
+def get_group(group: Group | NonMember | None = None, op_name: str | None = None) -> Group:
+    """``group``, or the default group when ``None``.
+
+    Raises ``ValueError`` for a non-member handle (:class:`NonMember`: what needs a member cannot
+    run on this rank) and ``TypeError`` for anything else that is not a :class:`Group`;
+    ``op_name`` starts the message.
+    """
+    if is_non_member(group):
+        of = f" of ranks {group.ranks}" if isinstance(group, NonMember) else ""
+        raise ValueError(
+            f"{op_name or 'get_group'}: Invalid process group specified: this rank ({get_default_group().rank()}) "
+            f"is not a member of the group{of} (new_group returned a non-member handle here)"
+        )
     g = get_default_group() if group is None else group
     if not isinstance(g, Group):
         raise TypeError(f"group must be a collectives Group (from new_group), got {type(g).__name__}")
     return g
 
 
-def get_rank(group: Group | None = None) -> int:
-    """This process's rank in ``group`` (default: the default group)."""
-    return get_group(group).rank()
+def member(group: Group | NonMember | None, op_name: str) -> Group | None:
+    """The group a call runs on, or ``None`` when this rank is not a member: then, as torch does,
+    the call warns ``Running <op> on global rank <r> which does not belong to the given group.``
+    and does nothing (the caller returns at once)."""
+    if is_non_member(group):
+        rank = -1 if _world is None else _world.rank()
+        warnings.warn(f"Running {op_name} on global rank {rank} which does not belong to the given group.", stacklevel=3)
+        return None
+    return get_group(group)
 
 
-def get_world_size(group: Group | None = None) -> int:
-    """The number of ranks in ``group`` (default: the default group)."""
-    return get_group(group).size()
+def get_rank(group: Group | NonMember | None = None) -> int:
+    """This process's rank in ``group`` (default: the default group); -1 if it is not a member."""
+    return -1 if is_non_member(group) else get_group(group).rank()
+
+
+def get_world_size(group: Group | NonMember | None = None) -> int:
+    """The number of ranks in ``group`` (default: the default group); -1 if this rank is not a member."""
+    return -1 if is_non_member(group) else get_group(group).size()
 
 
 def new_group(
     ranks: Sequence[int] | None = None,
     timeout: datetime.timedelta | float | None = None,
     backend: str | None = None,
-) -> Group | None:
+) -> Group | NonMember:
     """Create a group of a subset of ranks (every rank of the default group must call this).
 
-    Returns ``None`` on ranks that are not members, like torch; passing ``None`` as ``group`` to a
-    collective then means the default group, so guard calls with ``if g is not None``.
+    On ranks that are not members it returns a :class:`NonMember` (equal to torch's
+    ``GroupMember.NON_GROUP_MEMBER``): collectives given it do nothing there, as in torch.
     """
     world = get_default_group()
     members = sorted(set(range(world.size()) if ranks is None else ranks))
@@ -431,8 +515,8 @@ def new_group(
     pg = dist.new_group(members, timeout=datetime.timedelta(seconds=seconds), backend="gloo")
     prefix = f"ringddp/group{next(_created)}/"  # every world rank calls new_group: same count everywhere
     if world.rank() not in members:
-        return None
-    store = dist.PrefixStore(prefix, world.store)
+        return NonMember(members)
+    store = dist.PrefixStore(prefix, own_connection(world.store))
     hosts = [world.hosts[r] for r in members]
     g = Group(pg, members, name, seconds, f"group{members}", store=store, hosts=hosts)
     _subgroups.append(g)
