@@ -72,6 +72,7 @@ from .compat import (
 from .errors import CollectiveError, CollectiveTimeoutError
 from .group import (
     Group,
+    NonMember,
     destroy_process_group,
     get_default_group,
     get_group,
@@ -79,6 +80,7 @@ from .group import (
     get_world_size,
     init_process_group,
     is_initialized,
+    is_non_member,
     new_group,
 )
 from .launch import LaunchError, launch
@@ -108,6 +110,7 @@ __all__ = [
     "GroupMember",
     "HashStore",
     "LaunchError",
+    "NonMember",
     "P2POp",
     "PrefixStore",
     "ProcessGroup",
@@ -156,6 +159,7 @@ __all__ = [
     "isend",
     "launch",
     "monitored_barrier",
+    "is_non_member",
     "new_group",
     "new_subgroups",
     "new_subgroups_by_enumeration",

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import torch
 
 from . import debug, validate
-from .group import Group, get_group
+from .group import Group, NonMember, get_group, member
 from .ops import ReduceOp, check_op_dtype
 from .tuning import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from .work import Work
@@ -103,7 +103,7 @@ def _pieces(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp = ReduceOp.SUM,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
     *,
     algorithm: str = "auto",
@@ -115,8 +115,10 @@ def all_reduce(
     or ``"auto"`` (by size).
     """
     name = "all_reduce"
-    g, op = get_group(group), ReduceOp.coerce(op)
+    op = ReduceOp.coerce(op)
     validate.tensor(tensor, name)
+    if (g := member(group, name)) is None:
+        return None
     check_op_dtype(op, tensor.dtype, name)
     _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
     _check_async(async_op, name)
@@ -133,15 +135,16 @@ def all_reduce(
 def broadcast(
     tensor: torch.Tensor,
     src: int,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
     *,
     algorithm: str = "auto",
 ) -> Work | None:
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every rank of the group."""
     name = "broadcast"
-    g = get_group(group)
     validate.tensor(tensor, name)
+    if (g := member(group, name)) is None:
+        return None
     root = g.group_rank(src, "src", name)
     _check_algorithm(algorithm, BROADCAST_ALGORITHMS, name)
     _check_async(async_op, name)
@@ -159,7 +162,7 @@ def reduce(
     tensor: torch.Tensor,
     dst: int,
     op: ReduceOp = ReduceOp.SUM,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
     *,
     algorithm: str = "auto",
@@ -169,8 +172,10 @@ def reduce(
     The tensors of the other ranks are left unchanged (torch's CPU reduce overwrites them).
     """
     name = "reduce"
-    g, op = get_group(group), ReduceOp.coerce(op)
+    op = ReduceOp.coerce(op)
     validate.tensor(tensor, name)
+    if (g := member(group, name)) is None:
+        return None
     check_op_dtype(op, tensor.dtype, name)
     root = g.group_rank(dst, "dst", name)
     _check_algorithm(algorithm, REDUCE_ALGORITHMS, name)
@@ -186,12 +191,13 @@ def reduce(
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group | None = None, async_op: bool = False
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group | NonMember | None = None, async_op: bool = False
 ) -> Work | None:
     """Gather ``tensor`` from every rank into ``tensor_list[i]`` (from group rank ``i``)."""
     name = "all_gather"
-    g = get_group(group)
     validate.tensor(tensor, name)
+    if (g := member(group, name)) is None:
+        return None
     outs = _check_list(tensor_list, name, "tensor_list", g.size(), tensor)
     _check_async(async_op, name)
     in_place = validate.is_chunk(outs[g.rank()], tensor, 0)
@@ -208,13 +214,14 @@ def all_gather(
 
 
 def all_gather_into_tensor(
-    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group | None = None, async_op: bool = False
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group | NonMember | None = None, async_op: bool = False
 ) -> Work | None:
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (``n`` times as many elements)."""
     name = "all_gather_into_tensor"
-    g = get_group(group)
     validate.tensor(input_tensor, name, "input_tensor")
     validate.tensor(output_tensor, name, "output_tensor")
+    if (g := member(group, name)) is None:
+        return None
     _check_same(output_tensor, input_tensor, name, "output_tensor", numel=False)
     if output_tensor.numel() != g.size() * input_tensor.numel():
         raise ValueError(
@@ -238,13 +245,15 @@ def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
     op: ReduceOp = ReduceOp.SUM,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``input_list[i]`` across ranks and leave the result on group rank ``i`` in ``output``."""
     name = "reduce_scatter"
-    g, op = get_group(group), ReduceOp.coerce(op)
+    op = ReduceOp.coerce(op)
     validate.tensor(output, name, "output")
+    if (g := member(group, name)) is None:
+        return None
     check_op_dtype(op, output.dtype, name)
     ins = _check_list(input_list, name, "input_list", g.size(), output)
     _check_async(async_op, name)
@@ -263,14 +272,16 @@ def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
     op: ReduceOp = ReduceOp.SUM,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``input`` (``n`` equal chunks) across ranks; group rank ``i`` gets chunk ``i`` in ``output``."""
     name = "reduce_scatter_tensor"
-    g, op = get_group(group), ReduceOp.coerce(op)
+    op = ReduceOp.coerce(op)
     validate.tensor(output, name, "output")
     validate.tensor(input, name, "input")
+    if (g := member(group, name)) is None:
+        return None
     _check_same(input, output, name, "input", numel=False)
     check_op_dtype(op, output.dtype, name)
     if input.numel() != g.size() * output.numel():
@@ -295,13 +306,14 @@ def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
     src: int = 0,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Global rank ``src`` sends ``scatter_list[i]`` to group rank ``i``, which receives it in ``tensor``."""
     name = "scatter"
-    g = get_group(group)
     validate.tensor(tensor, name)
+    if (g := member(group, name)) is None:
+        return None
     root = g.group_rank(src, "src", name)
     if g.rank() == root:
         if scatter_list is None:
@@ -330,13 +342,14 @@ def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
     dst: int = 0,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Every rank sends ``tensor`` to global rank ``dst``, which stores group rank ``i``'s in ``gather_list[i]``."""
     name = "gather"
-    g = get_group(group)
     validate.tensor(tensor, name)
+    if (g := member(group, name)) is None:
+        return None
     root = g.group_rank(dst, "dst", name)
     if g.rank() == root:
         if gather_list is None:
@@ -364,7 +377,7 @@ def gather(
 def all_to_all(
     output_tensor_list: list[torch.Tensor],
     input_tensor_list: list[torch.Tensor],
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Rank ``r`` sends ``input_tensor_list[j]`` to rank ``j`` and receives into ``output_tensor_list[j]``.
@@ -373,10 +386,11 @@ def all_to_all(
     ``j`` sends.
     """
     name = "all_to_all"
-    g = get_group(group)
     if not isinstance(input_tensor_list, (list, tuple)) or not input_tensor_list:
         raise TypeError(f"{name}: input_tensor_list must be a non-empty list of tensors")
     like = validate.tensor(input_tensor_list[0], name, "input_tensor_list[0]")
+    if (g := member(group, name)) is None:
+        return None
     for what, ts in (("input_tensor_list", input_tensor_list), ("output_tensor_list", output_tensor_list)):
         if not isinstance(ts, (list, tuple)) or len(ts) != g.size():
             raise ValueError(f"{name}: {what} must be a list of {g.size()} tensors (one per rank)")
@@ -406,14 +420,15 @@ def all_to_all_single(
     input: torch.Tensor,
     output_split_sizes: Sequence[int] | None = None,
     input_split_sizes: Sequence[int] | None = None,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """All-to-all on single tensors split along dim 0 (equal splits unless sizes are given)."""
     name = "all_to_all_single"
-    g = get_group(group)
     validate.tensor(input, name, "input")
     validate.tensor(output, name, "output")
+    if (g := member(group, name)) is None:
+        return None
     _check_same(output, input, name, "output", numel=False)
     if output.dim() == 0 or input.dim() == 0:
         raise ValueError(f"{name}: input and output need at least one dimension to split")
@@ -458,11 +473,12 @@ def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, op_name: str, 
     return sizes
 
 
-def barrier(group: Group | None = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None:
+def barrier(group: Group | NonMember | None = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None:
     """Block until every rank of the group has entered the barrier (``device_ids`` is ignored)."""
     name = "barrier"
-    g = get_group(group)
     _check_async(async_op, name)
+    if (g := member(group, name)) is None:
+        return None
     engine = g.barrier_engine(name)
 
     def run() -> None:
@@ -492,7 +508,7 @@ def symmetric_empty(numel: int, *, dtype: torch.dtype = torch.float32, group: Gr
         raise ValueError(f"{name}: numel must be >= 0, got {numel}")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{name}: dtype must be a torch.dtype, got {type(dtype).__name__}")
-    g = get_group(group)
+    g = get_group(group, name)
     engine = g.engine(torch.device("cpu"), name)
     make = getattr(engine, "symmetric_empty", None)  # optional engine method
     made: list[torch.Tensor | None] = [None]

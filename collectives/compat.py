@@ -28,8 +28,8 @@ from . import api, debug, trace
 from .backends import resolve_backend
 from .errors import CollectiveTimeoutError, timeout_seconds
 from .group import (
-    DEFAULT_TIMEOUT, Group, get_default_group, get_group, get_rank, get_world_size, group_count, is_initialized,
-    new_group,
+    DEFAULT_TIMEOUT, NON_GROUP_MEMBER, Group, NonMember, get_default_group, get_group, get_rank, get_world_size,
+    group_count, is_initialized, member, new_group,
 )
 from .ops import ReduceOp
 
@@ -69,11 +69,12 @@ class _GroupMemberMeta(type):
 class GroupMember(metaclass=_GroupMemberMeta):
     """torch's ``GroupMember``: ``WORLD`` (the default group) and ``NON_GROUP_MEMBER``.
 
-    ``new_group`` returns ``None`` on ranks outside the new group (as documented there), not
-    ``NON_GROUP_MEMBER``; the marker exists so code that compares against it still runs.
+    ``new_group`` returns a :class:`~collectives.group.NonMember` on ranks outside the new group,
+    which compares equal to ``NON_GROUP_MEMBER`` (torch's -100), so ``g ==
+    GroupMember.NON_GROUP_MEMBER`` works as in torch; either one makes collectives no-ops there.
     """
 
-    NON_GROUP_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
+    NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
 
 class Backend(str):
@@ -106,32 +107,32 @@ def get_backend(group: Group | None = None) -> Backend:
 
     Our names, not torch's: a group created with ``backend="gloo"`` reports ``"p2p"``.
     """
-    return Backend(get_group(group).backend)
+    return Backend(get_group(group, "get_backend").backend)
 
 
-def get_process_group_ranks(group: Group | None) -> list[int]:
-    """Global ranks of ``group``'s members, ordered by group rank."""
-    return list(get_group(group).ranks)
+def get_process_group_ranks(group: Group | NonMember | None) -> list[int]:
+    """Global ranks of ``group``'s members, ordered by group rank (also on a rank outside it)."""
+    return list(group.ranks if isinstance(group, NonMember) else get_group(group).ranks)
 
 
-def get_global_rank(group: Group | None, group_rank: int) -> int:
+def get_global_rank(group: Group | NonMember | None, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group``."""
-    g = get_group(group)
+    ranks = get_process_group_ranks(group)
     if isinstance(group_rank, bool) or not isinstance(group_rank, int):
         raise TypeError(f"get_global_rank: group_rank must be an int, got {type(group_rank).__name__}")
-    if not 0 <= group_rank < g.size():
-        raise ValueError(f"Group rank {group_rank} is not part of group {g.name} (size {g.size()})")
-    return g.ranks[group_rank]
+    if not 0 <= group_rank < len(ranks):
+        raise ValueError(f"Group rank {group_rank} is not part of the group of ranks {ranks}")
+    return ranks[group_rank]
 
 
-def get_group_rank(group: Group | None, global_rank: int) -> int:
+def get_group_rank(group: Group | NonMember | None, global_rank: int) -> int:
     """The rank within ``group`` of global rank ``global_rank``."""
-    g = get_group(group)
+    ranks = get_process_group_ranks(group)
     if isinstance(global_rank, bool) or not isinstance(global_rank, int):
         raise TypeError(f"get_group_rank: global_rank must be an int, got {type(global_rank).__name__}")
-    if global_rank not in g.ranks:
-        raise ValueError(f"Global rank {global_rank} is not part of group {g.name} (ranks {g.ranks})")
-    return g.ranks.index(global_rank)
+    if global_rank not in ranks:
+        raise ValueError(f"Global rank {global_rank} is not part of the group of ranks {ranks}")
+    return ranks.index(global_rank)
 
 
 def new_subgroups(
@@ -141,11 +142,11 @@ def new_subgroups(
     backend: str | None = None,
     pg_options: object = None,
     group_desc: str | None = None,
-) -> tuple[Group | None, list[Group | None]]:
+) -> tuple[Group | None, list[Group | NonMember]]:
     """Split ``group`` (default: the world) into consecutive subgroups of ``group_size`` ranks.
 
     Every rank of the default group must call it. Returns ``(the subgroup of this rank, all
-    subgroups)``; entries for subgroups this rank is not in are ``None`` (see ``new_group``).
+    subgroups)``; entries for subgroups this rank is not in are ``NonMember`` (see ``new_group``).
     ``pg_options`` and ``group_desc`` are accepted and ignored. ``group_size`` has no default on
     CPU (torch's default is the number of GPUs).
     """
@@ -171,7 +172,7 @@ def new_subgroups_by_enumeration(
     backend: str | None = None,
     pg_options: object = None,
     group_desc: str | None = None,
-) -> tuple[Group | None, list[Group | None]]:
+) -> tuple[Group | None, list[Group | NonMember]]:
     """One subgroup per list of global ranks (disjoint); returns ``(this rank's, all)``."""
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
@@ -180,7 +181,7 @@ def new_subgroups_by_enumeration(
             raise ValueError(f"new_subgroups_by_enumeration: ranks {sorted(overlap)} are in more than one subgroup")
         seen.update(ranks)
     subgroups = [new_group(list(ranks), timeout=timeout, backend=backend) for ranks in ranks_per_subgroup_list]
-    mine = next((g for g in subgroups if g is not None), None)
+    mine = next((g for g in subgroups if isinstance(g, Group)), None)
     return mine, subgroups
 
 
@@ -270,7 +271,8 @@ def monitored_barrier(
     through rank 0, ``2α`` latency; meant for debugging, like torch's.
     """
     name = "monitored_barrier"
-    g = get_group(group)
+    if (g := member(group, name)) is None:  # not a member: nothing, as in torch
+        return
     if not isinstance(wait_all_ranks, bool):
         raise TypeError(f"{name}: wait_all_ranks must be a bool, got {type(wait_all_ranks).__name__}")
     seconds = timeout_seconds(timeout, g.timeout)

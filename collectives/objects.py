@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import api, p2p
-from .group import Group, get_group, get_rank, get_world_size
+from .group import Group, NonMember, get_group, get_rank, get_world_size, member
 
 
 def _to_tensor(obj: Any, device: torch.device) -> torch.Tensor:
@@ -69,13 +69,14 @@ def _check_list(obj: object, name: str, what: str, length: int | None = None) ->
 def broadcast_object_list(
     object_list: list[Any],
     src: int | None = None,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     device: torch.device | None = None,
     group_src: int | None = None,
 ) -> None:
     """Replace ``object_list`` on every rank with the source rank's (same length on every rank)."""
     name = "broadcast_object_list"
-    g = get_group(group)
+    if (g := member(group, name)) is None:  # not a member: nothing, as in torch
+        return None
     root = _root(g, name, "src", src, group_src)
     _check_list(object_list, name, "object_list")
     dev = _device(g, device)
@@ -93,10 +94,11 @@ def broadcast_object_list(
             object_list[i] = _to_object(piece)
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: Group | None = None) -> None:
+def all_gather_object(object_list: list[Any], obj: Any, group: Group | NonMember | None = None) -> None:
     """``object_list[i]`` = the ``obj`` of group rank ``i``, on every rank."""
     name = "all_gather_object"
-    g = get_group(group)
+    if (g := member(group, name)) is None:  # not a member: nothing, as in torch
+        return None
     n = get_world_size(g)
     _check_list(object_list, name, "object_list", n)
     mine = _to_tensor(obj, _device(g, None))
@@ -126,12 +128,13 @@ def gather_object(
     obj: Any,
     object_gather_list: list[Any] | None = None,
     dst: int | None = None,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     group_dst: int | None = None,
 ) -> None:
     """On the destination rank, ``object_gather_list[i]`` = the ``obj`` of group rank ``i``."""
     name = "gather_object"
-    g = get_group(group)
+    if (g := member(group, name)) is None:  # not a member: nothing, as in torch
+        return None
     root = _root(g, name, "dst", dst, group_dst)
     n, is_root = get_world_size(g), g.ranks[get_rank(g)] == root
     if is_root:
@@ -153,12 +156,13 @@ def scatter_object_list(
     scatter_object_output_list: list[Any],
     scatter_object_input_list: list[Any] | None = None,
     src: int | None = None,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     group_src: int | None = None,
 ) -> None:
     """Group rank ``i`` gets the source's ``scatter_object_input_list[i]`` in ``scatter_object_output_list[0]``."""
     name = "scatter_object_list"
-    g = get_group(group)
+    if (g := member(group, name)) is None:  # not a member: nothing, as in torch
+        return None
     root = _root(g, name, "src", src, group_src)
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         raise ValueError(f"{name}: scatter_object_output_list must be a list of at least one element")
@@ -188,7 +192,7 @@ def scatter_object_list(
 def send_object_list(
     object_list: list[Any],
     dst: int | None = None,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     device: torch.device | None = None,
     group_dst: int | None = None,
     use_batch: bool = False,
@@ -198,7 +202,7 @@ def send_object_list(
     ``use_batch`` is accepted for compatibility; the two messages are always sent in order.
     """
     name = "send_object_list"
-    g = get_group(group)
+    g = get_group(group, name)
     _check_list(object_list, name, "object_list")
     g.peer(name, "dst", dst, group_dst)  # before pickling or any traffic
     dev = _device(g, device)
@@ -212,7 +216,7 @@ def send_object_list(
 def recv_object_list(
     object_list: list[Any],
     src: int | None = None,
-    group: Group | None = None,
+    group: Group | NonMember | None = None,
     device: torch.device | None = None,
     group_src: int | None = None,
     use_batch: bool = False,
@@ -222,7 +226,7 @@ def recv_object_list(
     ``src`` is required: there is no any-source receive (see ``collectives.p2p``).
     """
     name = "recv_object_list"
-    g = get_group(group)
+    g = get_group(group, name)
     _check_list(object_list, name, "object_list")
     g.peer(name, "src", src, group_src)
     dev = _device(g, device)

@@ -52,7 +52,7 @@ import torch
 
 from . import validate
 from .errors import CollectiveError, CollectiveTimeoutError
-from .group import Group, get_group, get_rank
+from .group import Group, NonMember, get_group, get_rank, is_non_member, member
 from .mailbox import Incoming, MessageMismatchError, header
 from .transport.base import Request, Transport, wait_all
 from .transport.torch_p2p import TorchP2PTransport
@@ -196,26 +196,33 @@ def _finish_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
 
 
 def isend(
-    tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0, group_dst: int | None = None
-) -> Work:
+    tensor: torch.Tensor, dst: int | None = None, group: Group | NonMember | None = None, tag: int = 0,
+    group_dst: int | None = None,
+) -> Work | None:
     """Send ``tensor`` to global rank ``dst`` (or group rank ``group_dst``); returns a handle.
 
-    ``tensor`` must not be modified until ``wait()`` returns.
+    ``tensor`` must not be modified until ``wait()`` returns. On a rank outside ``group``: nothing
+    (``None``, with torch's warning).
     """
+    if is_non_member(group):
+        return member(group, "isend")  # warns; None
     return _send(tensor, dst, group, tag, group_dst, "isend", async_op=True)
 
 
 def send(
     tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
-    """Send ``tensor`` to global rank ``dst`` (or group rank ``group_dst``) and wait until it is received."""
+    """Send ``tensor`` to global rank ``dst`` (or group rank ``group_dst``) and wait until it is received.
+
+    On a rank outside ``group`` it raises ``ValueError`` (as torch does).
+    """
     _send(tensor, dst, group, tag, group_dst, "send", async_op=False).wait()
 
 
 def _prepare(tensor, group, tag, what: str, rank, group_rank, name: str):
     """Check a point-to-point call before any traffic: its group, peer (group rank and global rank),
     tag and the transport that will carry it; returns them with a fresh handle."""
-    g = get_group(group)
+    g = get_group(group, name)
     validate.tensor(tensor, name)
     peer, global_rank = g.peer(name, what, rank, group_rank)
     tag = _check_tag(tag, name)
@@ -235,19 +242,30 @@ def _send(tensor, dst, group, tag, group_dst, name: str, async_op: bool) -> P2PW
 
 
 def irecv(
-    tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0, group_src: int | None = None
-) -> Work:
+    tensor: torch.Tensor, src: int | None = None, group: Group | NonMember | None = None, tag: int = 0,
+    group_src: int | None = None,
+) -> Work | None:
     """Receive into ``tensor`` from global rank ``src`` (or group rank ``group_src``); returns a handle.
 
-    ``src`` is required (no any-source receive). Read ``tensor`` only after ``wait()``.
+    ``src`` is required (no any-source receive). Read ``tensor`` only after ``wait()``. On a rank
+    outside ``group``: nothing (``None``, with torch's warning).
     """
+    if is_non_member(group):
+        return member(group, "irecv")  # warns; None
     return _recv(tensor, src, group, tag, group_src, "irecv", async_op=True)[0]
 
 
 def recv(
-    tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0, group_src: int | None = None
+    tensor: torch.Tensor, src: int | None = None, group: Group | NonMember | None = None, tag: int = 0,
+    group_src: int | None = None,
 ) -> int:
-    """Receive into ``tensor`` from global rank ``src`` (or group rank ``group_src``); returns ``src``."""
+    """Receive into ``tensor`` from global rank ``src`` (or group rank ``group_src``); returns ``src``.
+
+    On a rank outside ``group``: nothing; returns -1 (with torch's warning).
+    """
+    if is_non_member(group):
+        member(group, "recv")  # warns
+        return -1
     work, source = _recv(tensor, src, group, tag, group_src, "recv", async_op=False)
     work.wait()
     return source
@@ -298,6 +316,9 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     groups = {id(op.group) for op in p2p_op_list}
     if len(groups) != 1:
         raise ValueError(f"{name}: all ops must use the same group")
+    if is_non_member(p2p_op_list[0].group):
+        member(p2p_op_list[0].group, name)  # warns
+        return []
     g = get_group(p2p_op_list[0].group)
     sends: list[tuple[torch.Tensor, int, int]] = []
     recs: list[Incoming] = []

@@ -106,6 +106,11 @@ class DistributedSampler(Sampler[int]):
         except TypeError as exc:
             raise TypeError(f"DistributedSampler: dataset must have a length (len()), got {type(dataset).__name__}") from exc
         if num_replicas is None or rank is None:
+            if collectives.is_non_member(group):
+                raise ValueError(
+                    "DistributedSampler: this rank is not a member of the group it was given (new_group "
+                    "returned a non-member handle here); build the sampler on the group's ranks only"
+                )
             if not collectives.is_initialized() and group is None:
                 raise RuntimeError(
                     "DistributedSampler: num_replicas/rank were not given and the collectives are not "

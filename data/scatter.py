@@ -239,7 +239,7 @@ class ScatterDataset(Dataset):
         epoch: int = 0,
     ) -> None:
         started = time.perf_counter()
-        g = get_group(group)
+        g = get_group(group, "ScatterDataset")
         self._group: Group | None = g
         self._ranks = list(g.ranks)
         #: this process's rank within the group

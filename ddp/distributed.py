@@ -158,7 +158,7 @@ class DistributedDataParallel(nn.Module):
         if group is not None and process_group is not None:
             raise ValueError("DistributedDataParallel: pass group or process_group (torch's name), not both")
         group = process_group if group is None else group
-        self.process_group: Group = collectives.get_default_group() if group is None else group
+        self.process_group: Group = collectives.get_group(group, "DistributedDataParallel")
         self.world_size = collectives.get_world_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters

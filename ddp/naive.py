@@ -39,6 +39,7 @@ import torch.nn as nn
 
 import collectives
 from collectives import Group, ReduceOp
+from collectives.group import member
 
 from .sync import unique
 
@@ -57,9 +58,12 @@ def all_reduce_gradients(
     Every rank must reduce the same list, in the same order, or the point-to-point messages pair
     up wrongly. So a trainable parameter whose ``.grad`` is ``None`` on this rank (not used in
     this forward pass) is given a zero gradient and reduced anyway: a rank cannot know whether
-    the others used it. Shared (tied) parameters are reduced once.
+    the others used it. Shared (tied) parameters are reduced once. On a rank outside ``group``
+    (a :class:`~collectives.NonMember`) it does nothing but warn, as a collective does.
     """
     op = ReduceOp.coerce(op)
+    if member(group, "all_reduce_gradients") is None:  # not a member: nothing, like a collective
+        return
     world = collectives.get_world_size(group)
     for p in unique(model.parameters() if isinstance(model, nn.Module) else model):
         if not p.requires_grad:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import collectives
 from collectives import Group
+from collectives.group import member
 
 
 def unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -37,8 +38,11 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int | None = None, g
 
     Tensors are packed into one flat buffer per (dtype, device), so the whole state costs one
     broadcast per dtype instead of one per tensor (one latency ``α`` instead of hundreds).
-    Every rank must pass tensors of the same shapes, dtypes and order.
+    Every rank must pass tensors of the same shapes, dtypes and order. On a rank outside ``group``
+    (a :class:`~collectives.NonMember`) it does nothing but warn, as a collective does.
     """
+    if member(group, "broadcast_tensors") is None:
+        return
     src = _first_rank(group) if src is None else src
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
     for t in unique(tensors):

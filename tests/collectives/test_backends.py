@@ -139,7 +139,7 @@ def _group_facts(rank: int, world_size: int) -> dict:
     facts["auto"] = _auto_choice(g)
     sub = collectives.new_group([0, world_size - 1])
     reference = collectives.new_group(backend="torch")
-    if sub is not None:
+    if not collectives.is_non_member(sub):
         sub.store.set("key", f"from {rank}")
         facts["sub"] = {"hosts": sub.hosts, "backend": sub.backend, "world_sees_key": g.store.check(["key"]),
                         "key": sub.store.get("key").decode()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -205,3 +206,146 @@ def test_reexported_torch_names_are_torchs():
                  "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore"):
         assert getattr(collectives, name) is getattr(tdist, name)
     collectives.destroy_process_group()  # not initialised here: a no-op, as in torch
+
+
+def _outcome(call):
+    """(what ``call`` returned or raised, how many 'not a member' warnings it gave), comparable across libs."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            value = call()
+            result = ("returns", "work" if hasattr(value, "wait") else value)
+        except Exception as exc:  # noqa: BLE001 - the type is what is compared
+            result = ("raises", type(exc).__name__)
+    return result, sum("does not belong to the given group" in str(w.message) for w in caught)
+
+
+def non_members(rank, world_size, lib):
+    """Group ``[1, 2]``: its members run collectives on it while the other ranks call everything
+    with the non-member handle ``new_group`` gave them; then all use the world again."""
+    dist = LIBS[lib]
+    members = [1, 2]
+    g = dist.new_group(members)
+    t, out = torch.full((3,), float(rank + 1)), {}
+    out["handle"] = (g == dist.GroupMember.NON_GROUP_MEMBER, dist.get_rank(g), dist.get_world_size(g))
+    out["ranks"] = (dist.get_process_group_ranks(g), dist.get_global_rank(g, 0), dist.get_group_rank(g, 2))
+    sender, receiver = (rank == 1, rank == 2)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(t, group=g),
+        "all_reduce async": lambda: dist.all_reduce(t, group=g, async_op=True).wait() if rank in members
+        else dist.all_reduce(t, group=g, async_op=True),
+        "broadcast": lambda: dist.broadcast(t, src=1, group=g),
+        "reduce": lambda: dist.reduce(t.clone(), dst=2, group=g),  # torch's gloo reduce writes off the root too
+        "all_gather": lambda: dist.all_gather([torch.zeros(3), torch.zeros(3)], t, group=g),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.zeros(6), t, group=g),
+        "scatter": lambda: dist.scatter(t, [t, t] if rank == 1 else None, src=1, group=g),
+        "gather": lambda: dist.gather(t, [torch.zeros(3), torch.zeros(3)] if rank == 1 else None, dst=1, group=g),
+        "barrier": lambda: dist.barrier(group=g),
+        "all_gather_object": lambda: dist.all_gather_object([None, None], rank, group=g),
+        "gather_object": lambda: dist.gather_object(rank, [None, None] if rank == 1 else None, dst=1, group=g),
+        "broadcast_object_list": lambda: dist.broadcast_object_list([rank], src=1, group=g),
+        "scatter_object_list": lambda: dist.scatter_object_list([None], [1, 2] if rank == 1 else None, src=1, group=g),
+    }
+    if rank not in members:  # calls that members cannot make here (gloo has no list all_to_all) or that pair up
+        calls.update({
+            "reduce_scatter": lambda: dist.reduce_scatter(t, [t, t], group=g),
+            "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(t, torch.zeros(6), group=g),
+            "all_to_all": lambda: dist.all_to_all([t, t], [t, t], group=g),
+            "all_to_all_single": lambda: dist.all_to_all_single(torch.zeros(4), torch.zeros(4), group=g),
+            "send": lambda: dist.send(t, dst=1, group=g),
+            "recv": lambda: dist.recv(t, src=1, group=g),
+            "isend": lambda: dist.isend(t, dst=1, group=g),
+            "irecv": lambda: dist.irecv(t, src=1, group=g),
+            "send_object_list": lambda: dist.send_object_list([1], dst=1, group=g),
+            "recv_object_list": lambda: dist.recv_object_list([None], src=1, group=g),
+            "monitored_barrier": lambda: dist.monitored_barrier(group=g),
+            "get_backend": lambda: dist.get_backend(g),
+        })
+    elif sender or receiver:
+        peer = 3 - rank
+        calls.update({
+            "send/recv": lambda: dist.send(t, dst=peer, group=g) if sender else dist.recv(t, src=peer, group=g),
+            "isend/irecv": lambda: (dist.isend(t, dst=peer, group=g) if sender else dist.irecv(t, src=peer, group=g)).wait(),
+            "send/recv_object_list": lambda: dist.send_object_list([7], dst=peer, group=g) if sender
+            else dist.recv_object_list([None], src=peer, group=g),
+        })
+    for name, call in calls.items():
+        out[name] = _outcome(call)
+    if lib == "ours" and rank not in members:  # torch's P2POp refuses its int handle: ours acts as isend does
+        out["batch_isend_irecv"] = _outcome(lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1, group=g)]))
+    out["tensor"] = t.tolist()
+    world = torch.tensor([float(rank)])
+    dist.all_reduce(world)  # every rank, members or not, carries on with the world
+    out["world"] = world.item()
+    return out
+
+
+def tutorial_broadcast(rank, world_size, lib):
+    """A tutorial's pattern: every rank calls broadcast on new_group([0, 1]); only 0 and 1 take part."""
+    dist = LIBS[lib]
+    t = torch.tensor([float(rank + 1)] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.broadcast(t, src=1, group=dist.new_group([0, 1]))
+    dist.barrier()
+    return t.tolist()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_non_members_behave_as_torch(pools, world_size):
+    """Ranks outside a new group: torch's NON_GROUP_MEMBER semantics, call by call, against torch itself."""
+    pool = pools(world_size)
+    expected = pool.run(non_members, "torch")
+    got = pool.run(non_members, "ours")
+    for r in range(world_size):
+        assert got[r].pop("batch_isend_irecv", (("returns", []), 1)) == (("returns", []), 1)
+    assert got == expected
+    outside = [r for r in range(world_size) if r not in (1, 2)]
+    for r in outside:  # the oracle says what we think it says
+        assert expected[r]["handle"] == (True, -1, -1) and expected[r]["ranks"] == ([1, 2], 1, 1)
+        assert expected[r]["all_reduce"] == (("returns", None), 1) and expected[r]["recv"] == (("returns", -1), 1)
+        assert expected[r]["send"] == (("raises", "ValueError"), 0)
+        assert expected[r]["tensor"] == [float(r + 1)] * 3  # untouched
+    assert pool.run(tutorial_broadcast, "ours") == pool.run(tutorial_broadcast, "torch")
+    assert pool.run(tutorial_broadcast, "ours")[:2] == [[2.0, 2.0]] * 2
+
+
+def entry_points(rank, world_size):
+    """Our ddp/data entry points given a non-member handle: a clear error, or a warning and nothing."""
+    import ddp
+    import data
+
+    g = collectives.new_group([1, 2])
+    if rank in (1, 2):
+        collectives.all_reduce(torch.ones(1), group=g)  # the members' side of all_reduce_gradients below
+        collectives.broadcast(torch.ones(4), 1, group=g)  # ... and of broadcast_module
+        return None
+    model = torch.nn.Linear(2, 2)
+    out = {}
+    for name, call in {
+        "DistributedDataParallel": lambda: ddp.DistributedDataParallel(model, process_group=g),
+        "DistributedSampler": lambda: data.DistributedSampler(range(10), group=g),
+        "ScatterDataset": lambda: data.ScatterDataset({"x": torch.zeros(4, 2)}, group=g),
+    }.items():
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = "not a member" in str(exc) and name in str(exc)
+    model.weight.grad = torch.ones(2, 2)
+    out["all_reduce_gradients"] = _outcome(lambda: ddp.all_reduce_gradients(model, g))
+    out["broadcast_module"] = _outcome(lambda: ddp.broadcast_module(model, group=g))
+    out["grad"] = model.weight.grad.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_ddp_and_data_entry_points_with_a_non_member(pools):
+    for r, result in enumerate(pools(4).run(entry_points)):
+        if r in (0, 3):
+            assert result == {
+                "DistributedDataParallel": True, "DistributedSampler": True, "ScatterDataset": True,
+                "all_reduce_gradients": (("returns", None), 1), "broadcast_module": (("returns", None), 1),
+                "grad": [[1.0, 1.0], [1.0, 1.0]],
+            }

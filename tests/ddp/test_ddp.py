@@ -337,8 +337,8 @@ def worker(rank: int, world: int, cases: list[dict], with_error_case: bool) -> d
     for case in cases:
         if case.get("subgroup"):
             group = subgroups[tuple(case["subgroup"])]
-            if group is None:
-                continue  # not a member
+            if collectives.is_non_member(group):
+                continue
         else:
             group = None
         results[case["name"]] = run_case(case, rank, group)
