@@ -12,9 +12,16 @@ One thread per group at a time. The queue orders one thread's calls; two threads
 collectives on the same group concurrently would be ordered by whichever thread gets there first,
 which differs from rank to rank, so the ranks would pair different collectives (mixing each
 other's data). :meth:`Executor.submit` refuses, with a ``RuntimeError`` saying what to do, a call
-from a second thread while another thread's calls are still queued or running (the group's own
-communication thread, where ``Work`` future callbacks run, may chain calls). Use a group per thread
-(``new_group``), or hand the calls to one thread.
+from a second thread while another thread's calls are still queued or running. Use a group per
+thread (``new_group``), or hand the calls to one thread.
+
+Future callbacks may issue collectives, and wait for them. ``Work.get_future()`` callbacks run on
+the thread that completes the work, usually the communication thread, right after the collective;
+a collective issued there runs at once, inline, before the queue moves on (were it queued, the
+thread would wait on work queued behind itself). So every rank issues it at the same point of
+its sequence, right after the collective whose completion ran the callback, and the ranks pair
+it alike whatever their main threads have queued meanwhile. torch's PowerSGD comm hook chains
+collectives this way.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class Work:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._future: torch.futures.Future | None = None
+        self._signal: torch.futures.Future | None = None  # completed (with None) when the work is
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Block until the collective finished; re-raise its error if it failed.
@@ -79,26 +87,31 @@ class Work:
         """A ``torch.futures.Future`` completed when the collective finishes, as torch's.
 
         Its value is :meth:`result` (so ``fut.value()[0]`` is the reduced tensor of an
-        all-reduce); a failure is set as the future's exception, so ``fut.wait()`` raises the
-        collective's own error (a ``.then`` callback sees it wrapped in a ``RuntimeError``, as
-        torch does). Callbacks added with ``then`` run on the thread that completes the work,
-        usually the group's communication thread: keep them short, and never start a collective
-        in one (see ``ddp/comm_hooks.py``). Every call returns the same future.
+        all-reduce). A failure fails the future itself, as torch's C++ side sees it: C++
+        consumers (torch's DDP reducer, ``torch.futures.collect_all``, a ``Work`` made from the
+        future) see an error, never a value; in Python ``fut.wait()``/``fut.value()`` raise a
+        ``RuntimeError`` whose message is the collective's error (its type and text), as for an
+        error raised in any ``then`` callback. (``Future.set_exception`` would not do: it stores
+        the exception as the future's *value*, which C++ reads as success.) :meth:`wait` raises
+        the error itself. Callbacks added with ``then`` run on the thread that completes the
+        work, usually the group's communication thread; they may issue collectives and wait for
+        them (see the module docstring). Every call returns the same future.
         """
         with self._lock:
             if self._future is not None:
                 return self._future
-            future = self._future = torch.futures.Future()
+            signal = self._signal = torch.futures.Future()
+            future = self._future = signal.then(self._outcome)
             done = self._done.is_set()
-        if done:  # finished before anyone asked: settle here (else finish does)
-            self._settle(future)
+        if done:  # finished before anyone asked: complete here (else finish does)
+            signal.set_result(None)
         return future
 
-    def _settle(self, future: torch.futures.Future) -> None:
+    def _outcome(self, _: torch.futures.Future) -> list[torch.Tensor]:
+        """The future's value, or (raised inside ``then``) its error as C++ sees errors."""
         if self._error is not None:
-            future.set_exception(self._error)
-        else:
-            future.set_result(self._result)
+            raise self._error
+        return self._result
 
     def finish(self, error: BaseException | None) -> None:
         """Complete the handle: ``error`` is the collective's failure, or ``None``. Called once, by
@@ -106,9 +119,9 @@ class Work:
         with self._lock:
             self._error = error
             self._done.set()
-            future = self._future
-        if future is not None:  # outside the lock: callbacks may call get_future() again
-            self._settle(future)
+            signal = self._signal
+        if signal is not None:  # outside the lock: callbacks may call get_future() again
+            signal.set_result(None)
 
 
 class Executor:
@@ -125,7 +138,15 @@ class Executor:
 
     def submit(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
         """Run ``fn`` in queue order; ``work`` completes when it has run (``async_op``: on the
-        communication thread, and this returns at once)."""
+        communication thread, and this returns at once). Called from the communication thread
+        itself (a future callback), ``fn`` runs at once: see the module docstring."""
+        if threading.current_thread() is self._thread:
+            try:
+                self._inline(fn, work, nested=True)
+            except BaseException:
+                if not async_op:
+                    raise  # an async call's error is the handle's, as when it is queued
+            return work
         if not async_op and self._enter(work.name):
             self._inline(fn, work)
             return work
@@ -137,7 +158,9 @@ class Executor:
     def call(self, name: str, fn: Callable[[], None]) -> None:
         """Run ``fn`` synchronously in queue order: on this thread when nothing is queued (no
         handle, no thread hop), else behind the pending work."""
-        if self._enter(name):
+        if threading.current_thread() is self._thread:  # a future callback: now (module docstring)
+            self._inline(fn, None, nested=True)
+        elif self._enter(name):
             self._inline(fn, None)
         else:
             work = Work(name)
@@ -155,7 +178,9 @@ class Executor:
             self._busy = True
             return True
 
-    def _inline(self, fn: Callable[[], None], work: Work | None) -> None:
+    def _inline(self, fn: Callable[[], None], work: Work | None, nested: bool = False) -> None:
+        """Run ``fn`` on this thread; ``nested``: inside the communication thread's current item,
+        which keeps the queue claimed."""
         try:
             fn()
         except BaseException as exc:
@@ -166,9 +191,10 @@ class Executor:
             if work is not None:
                 work.finish(None)
         finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+            if not nested:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
     def _enqueue(self, work: Work, fn: Callable[[], None]) -> None:
         with self._cond:

@@ -32,10 +32,26 @@ def test_error_reaches_the_future_and_then_callbacks():
     fut = work.get_future()
     chained = fut.then(lambda f: f.value()[0] * 2)
     work.finish(CollectiveTimeoutError("all_reduce: no message from rank 1", op="all_reduce", peer=1))
-    with pytest.raises(CollectiveTimeoutError, match="rank 1"):
-        fut.wait()  # the collective's own error, type kept
+    with pytest.raises(RuntimeError, match="CollectiveTimeoutError: all_reduce: no message from rank 1"):
+        fut.wait()  # the collective's error, its type named in the message
     with pytest.raises(RuntimeError, match="CollectiveTimeoutError"):
-        chained.wait()  # torch wraps errors raised inside callbacks
+        chained.wait()  # and through callbacks
+    with pytest.raises(CollectiveTimeoutError, match="rank 1"):
+        work.wait()  # the handle re-raises the error itself
+
+
+def test_a_failed_future_is_an_error_for_cpp_consumers():
+    """C++ sees the failure as an error, not as a value (Future.set_exception would be a value):
+    torch's collect_all runs in C++ and fails only if a child future failed in C++."""
+    failed, ok = Work("all_reduce", [torch.ones(1)]), Work("broadcast", [torch.zeros(1)])
+    both = torch.futures.collect_all([failed.get_future(), ok.get_future()])
+    ok.finish(None)
+    failed.finish(CollectiveTimeoutError("all_reduce: no message from rank 1", op="all_reduce", peer=1))
+    with pytest.raises(RuntimeError, match="no message from rank 1"):
+        both.wait()
+    done = Work("barrier")
+    done.finish(None)
+    assert torch.futures.collect_all([done.get_future()]).wait()[0].wait() == []
 
 
 def _futures(rank: int, world_size: int) -> dict:
@@ -71,9 +87,14 @@ def _failing(rank: int, world_size: int) -> tuple[str, str]:
     if rank == 1:
         collectives.barrier()  # takes no part in the group's all-reduce
         return ("skipped", "")
-    fut = collectives.all_reduce(torch.ones(4), group=group, async_op=True).get_future()
+    work = collectives.all_reduce(torch.ones(4), group=group, async_op=True)
+    fut = work.get_future()
     try:
         fut.wait()
+    except RuntimeError:  # the future fails as C++ sees it; the handle raises the error itself
+        pass
+    try:
+        work.wait()
     except Exception as exc:  # noqa: BLE001 - reported to the test
         outcome = (type(exc).__name__, str(exc))
     else:
@@ -83,6 +104,35 @@ def _failing(rank: int, world_size: int) -> tuple[str, str]:
 
 
 @pytest.mark.timeout(120)
-def test_future_of_a_failed_all_reduce_raises_its_error():
+def test_handle_of_a_failed_all_reduce_raises_its_error():
     kind, message = collectives.launch(_failing, 2, timeout=30)[0]
     assert kind == "CollectiveTimeoutError" and "all_reduce" in message, message
+
+
+def _chained(rank: int, world_size: int) -> list[float]:
+    """A callback that issues a collective and waits for it (torch's PowerSGD hook does), while
+    the main thread queues more: the chained collective runs right after its parent on every rank."""
+    t = torch.full((3,), float(rank + 1))
+    seen = []
+
+    def chain(fut: torch.futures.Future) -> torch.Tensor:
+        x = fut.value()[0] * 10
+        collectives.all_reduce(x, async_op=True).get_future().wait()  # async + wait, as PowerSGD
+        collectives.all_reduce(x)  # and blocking
+        seen.append(x.clone())
+        return x
+
+    first = collectives.all_reduce(t, async_op=True).get_future().then(chain)
+    later = [collectives.all_reduce(torch.full((2,), float(rank + i)), async_op=True) for i in range(3)]
+    result = first.wait()
+    for w in later:
+        w.wait()
+    return result.tolist() + [float(later[0].result()[0][0])]
+
+
+@pytest.mark.timeout(120)
+def test_future_callbacks_may_issue_and_wait_on_collectives(pools):
+    n = 3
+    total = sum(range(1, n + 1))
+    for res in pools(n).run(_chained):
+        assert res == [float(total * 10 * n * n)] * 3 + [float(sum(range(n)))]
