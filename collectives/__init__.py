@@ -95,6 +95,9 @@ from .objects import (
 from .ops import SUPPORTED_DTYPES, ReduceOp
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .work import Work
+from . import torch_backend
+
+torch_backend.register()  # torch.distributed.init_process_group(backend="ringddp")
 
 __all__ = [
     "SUPPORTED_DTYPES",

@@ -107,6 +107,42 @@ class Group:
         self._selected: dict[tuple[str, str], Backend] = {}
         self._engines: dict[tuple[str, torch.device], Engine] = {}
 
+    @classmethod
+    def from_store(
+        cls,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta | float | None = None,
+        *,
+        backend: str | None = None,
+        ranks: Sequence[int] | None = None,
+        name: str = "world",
+    ) -> "Group":
+        """A group of ``size`` ranks that meet through ``store``, from what torch hands a backend.
+
+        Every member calls it with the same ``store`` (private to the group: a ``PrefixStore``),
+        its own ``rank`` and the same ``size``. It exchanges host keys through the store and
+        connects a gloo process group of the members (the wire of ``p2p`` and of user
+        point-to-point) over it; that takes one round of the store and a TCP connection per peer.
+
+        Args:
+            timeout: deadline of every wait, also of this rendezvous (default 30 minutes).
+            backend: which of our backends runs the collectives (default: ``$RINGDDP_BACKEND``,
+                else ``auto``).
+            ranks: the members' global ranks, by group rank (default ``0 .. size-1``): what
+                ``src``/``dst`` arguments name.
+            name: a label for messages and traces.
+        """
+        seconds = timeout_seconds(timeout, DEFAULT_TIMEOUT.total_seconds())
+        members = list(range(size) if ranks is None else ranks)
+        if len(members) != size or not 0 <= rank < size:
+            raise ValueError(f"Group.from_store: rank {rank} and ranks {members} do not fit a group of {size}")
+        store = own_connection(store)
+        hosts = _exchange_hosts(store, rank, size)
+        wire = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, datetime.timedelta(seconds=seconds))
+        return cls(wire, members, resolve_backend(backend), seconds, name, store=store, hosts=hosts)
+
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={self.ranks}, rank={self._rank}, backend={self.backend!r})"
 

@@ -41,7 +41,9 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def coerce(cls, op: object) -> "ReduceOp":
-        """Accept our ReduceOp, torch.distributed.ReduceOp, or a name like ``"sum"``."""
+        """Accept our ReduceOp, torch.distributed.ReduceOp (a constant or a ``ReduceOp`` object),
+        or a name like ``"sum"``; anything else (torch's PREMUL_SUM and bitwise ops among them)
+        raises ``ValueError``."""
         if isinstance(op, cls):
             return op
         if isinstance(op, str):
@@ -51,6 +53,10 @@ class ReduceOp(enum.Enum):
                 pass
         elif op in _FROM_TORCH:
             return _FROM_TORCH[op]
+        elif isinstance(op, dist.ReduceOp):  # the object form, as in torch's options structs
+            for theirs, ours in _FROM_TORCH.items():
+                if op == theirs:
+                    return ours
         raise ValueError(f"unsupported reduce op {op!r}; expected one of {[o.name for o in cls]}")
 
     def to_torch(self) -> dist.ReduceOp:

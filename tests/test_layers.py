@@ -46,7 +46,7 @@ FLOORS: list[tuple[str, ...]] = [
     # the public API
     ("collectives.api", "collectives.launch"),
     ("collectives.p2p",),
-    ("collectives.objects", "collectives.compat"),
+    ("collectives.objects", "collectives.compat", "collectives.torch_backend"),
     ("collectives",),
     # tools on top of the API
     ("collectives.testing.strategies", "collectives.testing.linkemu"),

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -276,3 +277,59 @@ def test_bench_between_hosts_with_a_shaped_link(tmp_path, capsys):
     assert all(r["wrong"] == 0 and r["model_us"] > 0 for r in rows)
     assert rows[0]["net_beta"] > 2e-9  # the 1 Gbit/s bucket is slower than the veth
 
+
+
+TORCHRUN_SCRIPT = """
+import os, torch, torch.nn as nn, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group(backend="ringddp")  # collectives is never imported: torch loads the backend
+rank = dist.get_rank()
+gloo = dist.new_group(backend="gloo")
+def train(group):
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(8, 4), process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+ours, theirs = train(None), train(gloo)
+t = torch.arange(6.0) * (rank + 1)
+u = t.clone()
+dist.all_reduce(t)
+dist.all_reduce(u, group=gloo)
+layout = dist.group.WORLD.group.engine(torch.device("cpu")).layout
+with open(os.path.join(os.environ["OUT"], f"{rank}.txt"), "w") as f:
+    print(dist.get_world_size(), layout.spans_hosts and layout.uniform, torch.equal(t, u),
+          float((ours - theirs).abs().max()), file=f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_two_nodes_torch_ddp_on_ringddp(tmp_path):
+    """Real torchrun (its c10d rendezvous), --nnodes 2 --nproc-per-node 2, one agent per emulated
+    host; the script picks backend="ringddp" and nothing else of ours. The world spans hosts, so
+    its collectives run the hierarchical algorithms; exact all-reduce equals gloo's bitwise, and
+    torch's DDP training within float32 rounding (4 ranks: the sum's order differs from gloo's)."""
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with HostNet(hosts=2) as net:
+        procs = []
+        for host in range(2):
+            env = net.rank_env(0, 2, {"OUT": str(tmp_path), "OMP_NUM_THREADS": "1"})
+            for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+                env.pop(key)  # torchrun sets these
+            argv = [sys.executable, "-m",
+                    "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"{net.address(0)}:29400", "--rdzv-id", "ringddp-test",
+                    "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", net.address(host), str(script)]
+            procs.append(net.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=200)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
+    for rank in range(4):
+        size, hierarchical, exact, diff = (tmp_path / f"{rank}.txt").read_text().split()
+        assert (size, hierarchical, exact) == ("4", "True", "True"), rank
+        assert float(diff) < 1e-6, (rank, diff)
