@@ -8,6 +8,7 @@ inside scikit-learn, so nothing is downloaded::
 
     python -m ddp.train                              # 2 local CPU processes, bucketed DDP
     python -m ddp.train --world-size 4 --data scatter --accum 2 --trace trace.json --plot loss.png
+    python -m ddp.train --torch-ddp                  # torch's own DDP, on backend "ringddp" (our collectives)
     torchrun --nproc_per_node=2 -m ddp.train         # ranks from torchrun's environment
 
 At the end every rank compares its parameters with rank 0's (bitwise) and the job fails if any
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import collectives
-from collectives import ReduceOp, trace
+from collectives import ReduceOp, torch_backend, trace
 from collectives.backends import backend_argument, describe_backends, device_type_of
 from data import DistributedSampler, ScatterDataset
 
@@ -54,6 +55,7 @@ class Config:
     hidden: int = 256
     bucket_mb: float = 0.05
     naive: bool = False
+    torch_ddp: bool = False
     accum: int = 1
     data: str = "sampler"
     seed: int = 0
@@ -158,6 +160,9 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     model: nn.Module = make_model(cfg.hidden).to(device)
     if cfg.naive:
         broadcast_module(model)
+    elif cfg.torch_ddp:  # torch's own DDP; its collectives reach ours through torch.distributed
+        group = tdist.new_group(backend="ringddp", pg_options=torch_backend.Options(backend=cfg.backend))
+        model = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cfg.bucket_mb)
     else:
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
         if rank == 0:
@@ -224,7 +229,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     summary = {
         "world_size": world_size,
         "backend": cfg.backend,
-        "mode": "naive" if cfg.naive else "bucketed",
+        "mode": "naive" if cfg.naive else "torch's" if cfg.torch_ddp else "bucketed",
         "data": cfg.data,
         "epochs": epochs,
         "final_test_accuracy": epochs[-1]["test_accuracy"] if epochs else 0.0,
@@ -280,6 +285,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--hidden", type=int, default=256, help="width of the hidden layers")
     p.add_argument("--bucket-mb", type=float, default=0.05, help="DDP bucket size in MiB (small model: small buckets)")
     p.add_argument("--naive", action="store_true", help="average gradients after backward instead of bucketed DDP")
+    p.add_argument("--torch-ddp", action="store_true",
+                   help="train with torch's own DistributedDataParallel on the torch.distributed backend 'ringddp'")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (no_sync in between)")
     p.add_argument("--data", default="sampler", choices=["sampler", "scatter"], help="every rank samples / rank 0 scatters")
     p.add_argument("--seed", type=int, default=0)
@@ -290,6 +297,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     a = p.parse_args(argv)
     if a.world_size < 1 or a.epochs < 1 or a.batch_size < 1 or a.accum < 1:
         p.error("--world-size, --epochs, --batch-size and --accum must be >= 1")
+    if a.torch_ddp and (a.naive or device_type_of(a.backend) != "cpu"):
+        p.error("--torch-ddp runs torch's DDP on the CPU backend 'ringddp': not with --naive or a CUDA --backend")
     if device_type_of(a.backend) == "cuda":
         if not torch.cuda.is_available():
             p.error(f"--backend {a.backend} needs CUDA GPUs (nccl-cupy: pip install 'ringddp[cuda]')")
@@ -297,7 +306,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
             p.error(f"--data scatter ships CPU tensors; use --data sampler with --backend {a.backend}")
     return Config(
         world_size=a.world_size, backend=a.backend, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
-        hidden=a.hidden, bucket_mb=a.bucket_mb, naive=a.naive, accum=a.accum, data=a.data, seed=a.seed,
+        hidden=a.hidden, bucket_mb=a.bucket_mb, naive=a.naive, torch_ddp=a.torch_ddp, accum=a.accum, data=a.data, seed=a.seed,
         timeout=a.timeout, trace=a.trace, plot=a.plot, verbose=a.verbose,
     )  # fmt: skip
 

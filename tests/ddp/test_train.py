@@ -50,6 +50,16 @@ def test_naive_scatter_accumulation_on_three_ranks():
     assert final_accuracy(out) > 70.0
 
 
+@pytest.mark.timeout(300)
+def test_torch_ddp_on_the_ringddp_backend_trains_like_ours():
+    """--torch-ddp: torch's own DistributedDataParallel, on backend "ringddp". Same data, seed and
+    updates at two ranks, so the same losses as our DDP (a sum of two floats has one rounding)."""
+    ours, torchs = run_train("--epochs", "2"), run_train("--epochs", "2", "--torch-ddp")
+    assert torchs.returncode == 0, torchs.stderr[-3000:]
+    assert "2 ranks (auto backend, torch's DDP, sampler data)" in torchs.stderr
+    assert final_accuracy(torchs) == final_accuracy(ours) and _losses(torchs) == _losses(ours)
+
+
 def test_bad_arguments_are_rejected():
     out = run_train("--world-size", "0")
     assert out.returncode == 2 and "--world-size" in out.stderr
