@@ -13,9 +13,17 @@ one copy of it per *variant*, each with its own SGD optimizer:
 
 * ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel`` over the gloo process group that
   our collectives run on (torch's defaults: 25 MiB buckets, a 1 MiB first bucket);
+* ``torch DDP ringddp``: the same torch DDP over a torch process group of backend ``"ringddp"``
+  (``collectives.torch_backend``): torch's reducer, our collectives underneath;
+* ``FSDP2 gloo`` / ``FSDP2 ringddp``: torch's ``fully_shard`` on every Linear layer and the root,
+  over a mesh of a gloo or a ringddp process group (``--torch-stacks`` chooses these rows);
 * ``ours <cap>``: :class:`ddp.DistributedDataParallel` with ``bucket_cap_mb=<cap>``, one variant
   per value of ``--bucket-mb`` (``inf``: a single bucket, i.e. no overlap at all);
 * ``local``: the bare model, same step, no communication: the floor every DDP row pays on top of.
+
+After the steps, each rank also times *returning* from an async 4 KiB all-reduce on the gloo and
+the ringddp torch groups (``async return``: what a DDP pays to launch a bucket; median of 200,
+with the queue idle and while a 16 MiB all-reduce is in flight).
 
 ``--grad-view`` builds both DDPs with ``gradient_as_bucket_view=True``: the gradients are views
 into the buckets, so neither copies them into a bucket before the all-reduce nor back after it
@@ -60,14 +68,17 @@ Reading the table
     compute slowed by the communication thread and the copies into buckets) adds to the
     backward pass. Compare the DDP rows on this column.
 ``vs torch``
-    step time of torch DDP with the same comm hook / this row's step time: ``> 1`` is faster than
-    torch DDP, ``< 1`` slower. The local row's value (against torch without hook) is the ceiling
-    any DDP could reach.
+    step time of torch DDP (on gloo) with the same comm hook / this row's step time: ``> 1`` is
+    faster than torch DDP, ``< 1`` slower; ``FSDP2 ringddp`` is compared with ``FSDP2 gloo``. The
+    local row's value (against torch without hook) is the ceiling any DDP could reach.
 ``MB/step``
-    gradient payload each rank hands to collectives per step (MiB). Ours is *measured*: one
-    extra step per variant runs under ``collectives.trace`` before the timing and the bytes of its
-    collectives are summed. Torch's is computed (gradient bytes, halved by fp16/bf16 hooks). With
-    a ring all-reduce each rank sends ``2(n-1)/n`` times this over the wire.
+    payload each rank hands to collectives per step (MiB). Where our collectives carry it (ours,
+    the ringddp rows) it is *measured*: one extra step per variant runs under
+    ``collectives.trace`` before the timing and the bytes of its collectives are summed. Over
+    gloo it is computed: gradient bytes (halved by fp16/bf16 hooks) for DDP; for FSDP2 three
+    shards (``3/n`` of the parameter bytes: the shard all-gathered in forward and again in
+    backward, and the gradient shard a reduce-scatter leaves), as the trace counts them. With a
+    ring all-reduce each rank sends ``2(n-1)/n`` times this over the wire.
 
 ``comm`` / ``comm/torch``
     the step minus the local step: what data parallelism costs this row per step, and that cost
@@ -103,7 +114,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import collectives
-from collectives import trace
+from collectives import torch_backend, trace
 from collectives.backends import backend_argument, describe_backends, device_type_of
 
 from . import comm_hooks
@@ -113,6 +124,11 @@ log = logging.getLogger("ddp.bench")  # not __name__: under "python -m" the rank
 
 PHASES = ("step", "forward", "backward", "optim")
 COMM_HOOKS = ("none", "allreduce", "fp16", "bf16")
+TORCH_STACKS = ("ddp-ringddp", "fsdp2")
+#: which row a kind's "vs torch" compares with (the kind over gloo; by default torch DDP on gloo)
+_REFERENCE = {"fsdp2": "fsdp2", "fsdp2-ringddp": "fsdp2"}
+#: kinds whose collectives are ours (their bytes are measured by tracing)
+_TRACED = ("ours", "torch-ringddp", "fsdp2-ringddp")
 _COMPRESSED = {"fp16": 0.5, "bf16": 0.5}  # payload ratio of the compression hooks (float32 gradients)
 
 
@@ -140,6 +156,7 @@ class Config:
     batch: int = 64
     bucket_mb: tuple[float, ...] = (25.0,)
     comm_hooks: tuple[str, ...] = ("none",)
+    torch_stacks: tuple[str, ...] = TORCH_STACKS
     first_bucket_mb: float | None = None
     grad_view: bool = False
     warmup: int = 1
@@ -184,6 +201,7 @@ class _Variant:
         self.reducer_backward: list[float] = []
         self.launched: list[int] = []
         self.buckets = len(model.buckets) if isinstance(model, DistributedDataParallel) else None
+        self.fsdp = kind.startswith("fsdp2")
 
     def step(self, x: torch.Tensor, y: torch.Tensor, record: bool) -> float:
         t0 = time.perf_counter()
@@ -205,14 +223,15 @@ class _Variant:
         return t3 - t0
 
     def measure_comm_bytes(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One untimed step under tracing: the bytes handed to collectives (ours), or computed (torch)."""
-        if self.kind == "ours":
+        """One untimed step under tracing: the bytes handed to our collectives, or computed (gloo)."""
+        if self.kind in _TRACED:
             with trace.tracing() as tracer:
                 self.step(x, y, record=False)
             self.comm_bytes = sum(e["args"].get("bytes", 0) for e in tracer.events if e["cat"] == "collective")
-        elif self.kind == "torch":
-            grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            self.comm_bytes = int(grad_bytes * _COMPRESSED.get(self.hook, 1.0))
+        elif self.kind != "local":
+            param_bytes = sum(math.prod(p.shape) * p.element_size() for p in self.model.parameters())
+            shards = 3.0 / torch.distributed.get_world_size()  # FSDP2: two all-gathers of a shard, one reduce-scatter into one
+            self.comm_bytes = int(param_bytes * (shards if self.fsdp else _COMPRESSED.get(self.hook, 1.0)))
 
     def torch_buckets(self) -> list[int] | None:
         """Bucket sizes in bytes of a torch DDP after its bucket rebuild (private API: best effort)."""
@@ -224,14 +243,16 @@ class _Variant:
             return None
 
     def checksum(self) -> int:
+        """CRC of the parameters (FSDP2: of the full, gathered ones: a collective, same order everywhere)."""
         crc = 0
         for p in self.model.parameters():
-            crc = zlib.crc32(p.detach().contiguous().numpy().tobytes(), crc)
+            full = p.full_tensor() if self.fsdp else p
+            crc = zlib.crc32(full.detach().contiguous().numpy().tobytes(), crc)
         return crc
 
     def report(self) -> dict[str, Any]:
         bucket_bytes = [b.nbytes for b in self.model.buckets] if self.kind == "ours" else None
-        if self.kind == "torch":
+        if self.kind in ("torch", "torch-ringddp"):
             bucket_bytes = self.torch_buckets()
             self.buckets = None if bucket_bytes is None else len(bucket_bytes)
         return {
@@ -249,6 +270,37 @@ class _Variant:
             "launched": self.launched,
             "checksum": self.checksum(),
         }
+
+
+def _fsdp2(model: nn.Module, group: Any) -> nn.Module:
+    """torch's FSDP2 on ``model``: every Linear a unit of its own, then the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _async_return_us(groups: dict[str, Any], reps: int = 200) -> dict[str, dict[str, float]]:
+    """Median µs to *return* from an async 4 KiB all-reduce, queue idle and behind a 16 MiB one."""
+    small, big = torch.ones(1024), torch.ones(4 << 20)
+    out: dict[str, dict[str, float]] = {}
+    for name, g in groups.items():
+        idle, busy = [], []
+        for i in range(reps):
+            collectives.barrier()
+            behind = torch.distributed.all_reduce(big, group=g, async_op=True) if i % 2 else None
+            t0 = time.perf_counter()
+            work = torch.distributed.all_reduce(small, group=g, async_op=True)
+            (busy if behind is not None else idle).append(1e6 * (time.perf_counter() - t0))
+            work.wait()
+            if behind is not None:
+                behind.wait()
+        out[name] = {"idle_us": statistics.median(idle), "busy_us": statistics.median(busy)}
+    return out
 
 
 def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
@@ -270,15 +322,25 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         )  # fmt: skip
 
     # Construction order is the same on every rank (each wrapper talks to its peers).
+    ringddp = torch.distributed.new_group(backend="ringddp", pg_options=torch_backend.Options(backend=cfg.backend))
+    torch_groups = {"torch": group.process_group}
+    if "ddp-ringddp" in cfg.torch_stacks:
+        torch_groups["torch-ringddp"] = ringddp
     variants = []
     for hook in cfg.comm_hooks:
         suffix = "" if hook == "none" else f" {hook}"
-        model = torch.nn.parallel.DistributedDataParallel(
-            copy.deepcopy(base), process_group=group.process_group, gradient_as_bucket_view=cfg.grad_view
-        )
-        if hook != "none":
-            model.register_comm_hook(group.process_group, _hooks(hook)[1])
-        variants.append(_Variant(f"torch:{hook}", f"torch DDP{suffix}", "torch", model, cfg.lr, hook=hook))
+        for kind, pg in torch_groups.items():
+            model = torch.nn.parallel.DistributedDataParallel(
+                copy.deepcopy(base), process_group=pg, gradient_as_bucket_view=cfg.grad_view
+            )
+            if hook != "none":
+                model.register_comm_hook(pg, _hooks(hook)[1])
+            label = "torch DDP" + (" ringddp" if kind == "torch-ringddp" else "") + suffix
+            variants.append(_Variant(f"{kind}:{hook}", label, kind, model, cfg.lr, hook=hook))
+    if "fsdp2" in cfg.torch_stacks:
+        for kind, pg in (("fsdp2", group.process_group), ("fsdp2-ringddp", ringddp)):
+            label = "FSDP2 " + ("ringddp" if kind == "fsdp2-ringddp" else "gloo")
+            variants.append(_Variant(kind, label, kind, _fsdp2(copy.deepcopy(base), pg), cfg.lr))
     for mb in cfg.bucket_mb:
         for hook in cfg.comm_hooks:
             suffix = "" if hook == "none" else f" {hook}"
@@ -318,7 +380,10 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         sizes = variants[0].torch_buckets()
         if sizes is not None:
             log.info("torch DDP: %d buckets of %s MiB (after its rebuild)", len(sizes), ", ".join(f"{b / 2**20:.1f}" for b in sizes))
-    return {"rank": rank, "threads": threads, "params": n_params, "variants": [v.report() for v in variants]}
+    reports = [v.report() for v in variants]
+    enqueue = _async_return_us({"gloo": group.process_group, "ringddp": ringddp})
+    torch.distributed.destroy_process_group(ringddp)
+    return {"rank": rank, "threads": threads, "params": n_params, "variants": reports, "async_return": enqueue}
 
 
 # ---------------------------------------------------------------------------- summary (parent)
@@ -367,9 +432,13 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             row["launched_during_backward"] = None
         rows.append(row)
     torch_ms = {r["comm_hook"]: r["step_ms"] for r in rows if r["kind"] == "torch"}
+    kind_ms = {r["kind"]: r["step_ms"] for r in rows}
     local = next(r for r in rows if r["kind"] == "local")
     for row in rows:
-        reference = torch_ms.get(row["comm_hook"], torch_ms[cfg.comm_hooks[0]])
+        if row["kind"] in _REFERENCE:
+            reference = kind_ms[_REFERENCE[row["kind"]]]
+        else:
+            reference = torch_ms.get(row["comm_hook"], torch_ms[cfg.comm_hooks[0]])
         row["speed_vs_torch"] = reference / row["step_ms"] if row["step_ms"] > 0 else float("nan")
         row["backward_over_local_ms"] = row["backward_ms"] - local["backward_ms"]
         row["comm_ms"] = None if row["kind"] == "local" else row["step_ms"] - local["step_ms"]
@@ -380,6 +449,10 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
                    for k, v in dataclasses.asdict(cfg).items()},
         "params": per_rank[0]["params"],
         "threads_per_rank": per_rank[0]["threads"],
+        "async_return_us": {  # the slowest rank's medians
+            name: {k: max(r["async_return"][name][k] for r in per_rank) for k in ("idle_us", "busy_us")}
+            for name in per_rank[0]["async_return"]
+        },
         "torch_version": torch.__version__,
         "rows": rows,
     }  # fmt: skip
@@ -467,6 +540,16 @@ def _parse_hooks(text: str) -> tuple[str, ...]:
     return names
 
 
+def _parse_stacks(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if names == ("none",):
+        return ()
+    bad = [n for n in names if n not in TORCH_STACKS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(TORCH_STACKS)}, or none; got {text!r}")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="ringddp-ddp-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", "-n", type=int, default=2, help="local processes (default 2)")
@@ -475,6 +558,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--batch", type=int, default=64, help="rows per rank per step (default 64)")
     p.add_argument("--bucket-mb", type=_parse_mb_list, default=(25.0,), help="comma list of our bucket caps in MiB, 'inf' = one bucket (default 25)")
     p.add_argument("--comm-hook", type=_parse_hooks, default=("none",), help=f"comma list of comm hooks to compare, from {', '.join(COMM_HOOKS)} (default none)")
+    p.add_argument("--torch-stacks", type=_parse_stacks, default=TORCH_STACKS,
+                   help="torch rows besides torch DDP on gloo: comma list of ddp-ringddp (torch DDP on backend "
+                        "'ringddp'), fsdp2 (FSDP2 on gloo and on ringddp), or none (default both)")
     p.add_argument("--first-bucket-mb", type=float, default=None, help="cap of our first bucket (default: the bucket cap; torch uses 1)")
     p.add_argument("--grad-view", action="store_true",
                    help="both DDPs with gradient_as_bucket_view=True: gradients live in the buckets (no copy in or out)")
@@ -498,7 +584,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         p.error(f"--backend {a.backend}: this benchmark runs on CPU tensors")
     cfg = Config(
         world_size=a.world_size, width=a.width, layers=a.layers, batch=a.batch, bucket_mb=a.bucket_mb, comm_hooks=a.comm_hook,
-        first_bucket_mb=a.first_bucket_mb, grad_view=a.grad_view, warmup=a.warmup, rounds=a.rounds, steps=a.steps, lr=a.lr,
+        torch_stacks=a.torch_stacks, first_bucket_mb=a.first_bucket_mb, grad_view=a.grad_view, warmup=a.warmup, rounds=a.rounds, steps=a.steps, lr=a.lr,
         backend=a.backend, threads=a.threads, seed=a.seed, timeout=a.timeout,
     )  # fmt: skip
     return cfg, a
@@ -525,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         + (", gradient_as_bucket_view=True" if cfg.grad_view else "")
     )
     print(format_table(summary))
+    print("async return (µs to return from an async 4 KiB all_reduce, median; idle / behind a 16 MiB one): "
+          + "; ".join(f"{name} {v['idle_us']:.0f} / {v['busy_us']:.0f}" for name, v in summary["async_return_us"].items()))
     sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:

@@ -23,16 +23,23 @@ def test_bench_smoke(tmp_path, capsys):
 
     summary = json.loads(out.read_text())
     rows = {r["name"]: r for r in summary["rows"]}
-    assert set(rows) == {"torch DDP", "ours 25 MB", "ours 0 MB", "local (no comm)"}
+    assert set(rows) == {"torch DDP", "torch DDP ringddp", "FSDP2 gloo", "FSDP2 ringddp", "ours 25 MB", "ours 0 MB",
+                         "local (no comm)"}
     assert summary["params"] == 2 * (64 * 64 + 64)
     for row in rows.values():
         assert row["steps"] == 4  # 2 timed rounds x 2 steps
         for key in ("step_ms", "forward_ms", "backward_ms", "optim_ms", "speed_vs_torch"):
             assert math.isfinite(row[key]) and row[key] > 0, (row["name"], key, row[key])
         assert row["step_min_ms"] <= row["step_ms"] <= row["step_max_ms"]
-    for name in ("torch DDP", "ours 25 MB", "ours 0 MB"):
+    for name in ("torch DDP", "torch DDP ringddp", "FSDP2 gloo", "FSDP2 ringddp", "ours 25 MB", "ours 0 MB"):
         assert rows[name]["in_sync"], name
     assert rows["torch DDP"]["speed_vs_torch"] == pytest.approx(1.0)
+    assert rows["FSDP2 gloo"]["speed_vs_torch"] == pytest.approx(1.0)  # the FSDP2 rows compare with each other
+    assert rows["FSDP2 ringddp"]["speed_vs_torch"] == pytest.approx(rows["FSDP2 gloo"]["step_ms"] / rows["FSDP2 ringddp"]["step_ms"])
+    # torch's DDP over ringddp hands our collectives every gradient once (measured by tracing)
+    assert rows["torch DDP ringddp"]["comm_mib"] == pytest.approx(rows["torch DDP"]["comm_mib"])
+    for name in ("gloo", "ringddp"):
+        assert 0 < summary["async_return_us"][name]["idle_us"] < 1e6 and summary["async_return_us"][name]["busy_us"] > 0
     assert rows["torch DDP"]["comm_vs_torch"] in (None, pytest.approx(1.0))  # None: torch no slower than local
     assert rows["local (no comm)"]["comm_ms"] is None
     for name in ("torch DDP", "ours 25 MB"):
@@ -77,16 +84,17 @@ def test_bench_comm_hooks_halve_the_bytes(tmp_path):
     out = tmp_path / "hooks.json"
     argv = [
         "--world-size", "2", "--width", "64", "--layers", "2", "--batch", "8", "--comm-hook", "none,fp16,bf16",
+        "--torch-stacks", "ddp-ringddp",
         "--warmup", "0", "--rounds", "1", "--steps", "1", "--timeout", "60", "--quiet", "--json", str(out),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     grad_mib = 2 * (64 * 64 + 64) * 4 / 2**20
     # ours measured (traced step), torch computed: one float32 all-reduce of every gradient, or half
-    for name in ("ours 25 MB", "torch DDP"):
+    for name in ("ours 25 MB", "torch DDP", "torch DDP ringddp"):
         assert rows[name]["comm_mib"] == pytest.approx(grad_mib)
     for hook in ("fp16", "bf16"):
-        for name in (f"ours 25 MB {hook}", f"torch DDP {hook}"):
+        for name in (f"ours 25 MB {hook}", f"torch DDP {hook}", f"torch DDP ringddp {hook}"):
             assert rows[name]["comm_mib"] == pytest.approx(grad_mib / 2), name
             assert rows[name]["in_sync"], name
         assert rows[f"torch DDP {hook}"]["speed_vs_torch"] == pytest.approx(1.0)
@@ -96,3 +104,6 @@ def test_comm_hook_list_parsing():
     assert bench._parse_hooks("none,fp16,fp16") == ("none", "fp16")
     with pytest.raises(Exception):
         bench._parse_hooks("none,zip")
+    assert bench._parse_stacks("none") == () and bench._parse_stacks("fsdp2") == ("fsdp2",)
+    with pytest.raises(Exception):
+        bench._parse_stacks("ddp,zero")
