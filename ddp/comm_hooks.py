@@ -20,17 +20,19 @@ When a hook runs
   every rank), or, for buckets that ``find_unused_parameters`` completes, in the end-of-backward
   callback. Never inside ``no_sync()``.
 * ``loss.backward()`` returns after every hook's future completed and the results were written to
-  ``.grad``. An error in a future is raised there (through a ``.then`` callback torch wraps it in
-  a ``RuntimeError`` that names the original error).
+  ``.grad``. An error in a future is raised there (a failed collective fails its future; torch
+  reports it as a ``RuntimeError`` that names the original error).
 
 The rule our collectives add
 ----------------------------
 Our collectives are point-to-point messages matched by the *order* in which ranks start them.
-So a hook must **start all its collectives inside the hook call** (``async_op=True``, one after
-the other; they run in that order on the group's communication thread) and never inside a
-``.then`` callback: callbacks run on the communication thread when a collective finishes, a moment
-that differs between ranks, so a collective started there could pair with another bucket's on a
-peer. Use callbacks only for local work on results (decompress, divide, copy).
+A hook starts its collectives in the hook call (``async_op=True``, one after the other; they run
+in that order on the group's communication thread), and may start more in a ``.then`` callback
+attached right away, as torch's PowerSGD does: a callback runs when its collective completes,
+on the communication thread, and a collective it starts runs at once, right after that one, at
+the same point of every rank's sequence (it may wait for it, too). Attach such callbacks before
+issuing any other collective, so that the callback's collectives follow their parent on every
+rank whether it had already finished or not.
 
 Exactness
 ---------
