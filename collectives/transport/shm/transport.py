@@ -89,10 +89,10 @@ from typing import Callable, ContextManager, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .. import wire
-from ..errors import CollectiveError, CollectiveTimeoutError
-from .base import GroupInfo, Peer, Request, SharedRegions, Transport
-from .torch_p2p import TorchP2PTransport
+from ... import wire
+from ...errors import CollectiveError, CollectiveTimeoutError
+from ..base import GroupInfo, Peer, Request, SharedRegions, Transport
+from ..torch_p2p import TorchP2PTransport
 
 log = logging.getLogger(__name__)
 
