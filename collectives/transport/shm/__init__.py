@@ -3,6 +3,7 @@
 The transport and its overview are in ``transport.py``.
 """
 
-from .transport import ShmConfig, ShmTransport, ShmUnavailableError
+from .config import ShmConfig, ShmUnavailableError
+from .transport import ShmTransport
 
 __all__ = ["ShmConfig", "ShmTransport", "ShmUnavailableError"]

@@ -82,7 +82,6 @@ import select
 import socket
 import struct
 import sys
-import threading
 import time
 from typing import Callable, ContextManager, Iterable, Mapping
 
@@ -93,30 +92,15 @@ from ... import wire
 from ...errors import CollectiveError, CollectiveTimeoutError
 from ..base import GroupInfo, Peer, Request, SharedRegions, Transport
 from ..torch_p2p import TorchP2PTransport
+from .config import ShmConfig, ShmUnavailableError
+from .control import (
+    ABANDONED, BYTES, CALL, CMA, DONE, LINE, ON_ANY, ON_CALL, ON_DONE, ON_MESSAGE, ON_STEP, PAGE, PAIR, SEQ, SLEEPING, TAG,
+    fence,
+)
 
 log = logging.getLogger(__name__)
 
-_LINE = 8  # int64 counters per 64-byte cache line
-_SEQ, _DONE, _SLEEPING = 0, _LINE, 2 * _LINE  # region-algorithm step, pieces done, what a sleeper waits for
-# _SLEEPING holds a mask of the events that would end the owner's sleep (0: awake); a rank that
-# publishes one of them writes a wake-up byte only to the peers sleeping on it
-_ON_MESSAGE, _ON_STEP, _ON_DONE, _ON_CALL, _ON_ANY = 1, 2, 4, 8, 15
-_ABANDONED = _SLEEPING + 1  # set once by a rank that found a mismatch: its peers stop waiting
-_TAG = _SEQ + 1  # two words after the step: the signature of the piece in each half
-_CALL = 3 * _LINE  # the checked collective under way: its number, then its wire.Header fields
-_PAIR = 4 * _LINE  # per sender: head line, tail line, slot-size line, slot-tag line
-_BYTES = 1  # in the sender's head line: its all-to-all bytes to the owner, and from the owner
-_CMA = 3  # then the tensor it publishes to the owner (publish): address, bytes, piece number + 1
-_MAX_SLOTS = _LINE
-_PAGE = 4096
 _BUSY_SPIN = 50e-6  # seconds a waiter with a core of its own spins without yielding
-_FENCE = threading.Lock()
-
-
-def _fence() -> None:
-    """A full memory barrier: a lock's atomic acquire/release (Python has no other)."""
-    _FENCE.acquire()
-    _FENCE.release()
 
 
 def _machine() -> str:
@@ -162,65 +146,6 @@ def _read_memory(pid: int, local: int, remote: int, nbytes: int) -> None:
 def _check_contiguous(t: torch.Tensor, op: str) -> None:
     if not t.is_contiguous():
         raise ValueError(f"{op}: single-copy reads need contiguous tensors")
-
-
-class ShmUnavailableError(RuntimeError):
-    """Shared memory cannot be set up (file system too small, peers on another host, ...)."""
-
-
-def _env_bytes(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    return int(text) if text else default
-
-
-@dataclasses.dataclass(frozen=True)
-class ShmConfig:
-    """Sizes of a segment; rank 0's are used by every rank.
-
-    Attributes:
-        directory: where segments live (a tmpfs: /dev/shm).
-        slot_bytes: size of one FIFO slot: the chunk a long message is streamed in.
-        slots: FIFO depth per pair (at most 8).
-        region_bytes: a rank's region for the shared-memory algorithms (two halves).
-        spin_seconds: how long a waiter polls memory before it blocks (``RINGDDP_SHM_SPIN_US``);
-            ``None``: 300 µs when every rank has a core, else 50 µs.
-        cma: allow single-copy reads of the peers' tensors with ``process_vm_readv`` where the
-            set-up probe finds them possible (``RINGDDP_SHM_CMA=0`` turns them off).
-    """
-
-    directory: str = "/dev/shm"
-    slot_bytes: int = 512 << 10
-    slots: int = 4
-    region_bytes: int = 8 << 20
-    spin_seconds: float | None = None
-    cma: bool = True
-
-    @classmethod
-    def from_env(cls) -> "ShmConfig":
-        return cls(
-            directory=os.environ.get("RINGDDP_SHM_DIR", cls.directory),
-            slot_bytes=_env_bytes("RINGDDP_SHM_SLOT_BYTES", cls.slot_bytes),
-            slots=_env_bytes("RINGDDP_SHM_SLOTS", cls.slots),
-            region_bytes=_env_bytes("RINGDDP_SHM_REGION_BYTES", cls.region_bytes),
-            spin_seconds=float(os.environ["RINGDDP_SHM_SPIN_US"]) / 1e6 if os.environ.get("RINGDDP_SHM_SPIN_US") else None,
-            cma=os.environ.get("RINGDDP_SHM_CMA", "1") != "0",
-        )
-
-    def validate(self) -> None:
-        if not 1 <= self.slots <= _MAX_SLOTS:
-            raise ValueError(f"shm: slots must be 1..{_MAX_SLOTS}, got {self.slots}")
-        if self.slot_bytes < 64 or self.slot_bytes % 64 or self.region_bytes < 128 or self.region_bytes % 128:
-            raise ValueError(
-                f"shm: slot_bytes ({self.slot_bytes}) must be a multiple of 64, region_bytes "
-                f"({self.region_bytes}) a multiple of 128"
-            )
-
-    def control_bytes(self, world_size: int) -> int:
-        return -(-(_PAIR + world_size * _PAIR) * 8 // _PAGE) * _PAGE
-
-    def segment_bytes(self, world_size: int) -> int:
-        """Bytes of one rank's segment."""
-        return self.control_bytes(world_size) + (world_size - 1) * self.slots * self.slot_bytes + self.region_bytes
 
 
 class _Message:
@@ -385,29 +310,29 @@ class ShmTransport(Transport, SharedRegions):
         me, h = self.rank, self._header
         mine = self._ctrl[me]
         if h is not self._published_header:  # a loop repeating one call only bumps the number
-            mine[_CALL] = 0  # a seqlock: readers that see the number change meanwhile discard what they read
-            _fence()
+            mine[CALL] = 0  # a seqlock: readers that see the number change meanwhile discard what they read
+            fence()
             if h.sends is not None and h.recvs is not None:
                 for q in self._sends:
-                    pair = _PAIR + me * _PAIR + _BYTES
+                    pair = PAIR + me * PAIR + BYTES
                     self._ctrl[q][pair : pair + 2] = array.array("q", (h.sends[q], h.recvs[q]))
-            mine[_CALL + 1 : _CALL + _LINE] = array.array("q", h.fields(0, 0)[1:_LINE])
+            mine[CALL + 1 : CALL + LINE] = array.array("q", h.fields(0, 0)[1:LINE])
             self._published_header = h
-        _fence()
-        mine[_CALL] = self._seq
-        self._wake(_ON_CALL)
+        fence()
+        mine[CALL] = self._seq
+        self._wake(ON_CALL)
 
     def _header_of(self, q: Peer) -> list[int] | None:
         """Peer ``q``'s header message if it runs our checked collective (by number), else None."""
         theirs, seq = self._ctrl[q], self._seq
-        if theirs[_CALL] != seq:
+        if theirs[CALL] != seq:
             return None
-        _fence()
-        fields = theirs[_CALL : _CALL + _LINE].tolist()
-        pair = _PAIR + q * _PAIR + _BYTES
+        fence()
+        fields = theirs[CALL : CALL + LINE].tolist()
+        pair = PAIR + q * PAIR + BYTES
         sizes = self._ctrl[self.rank][pair : pair + 2].tolist() if self._header.sends is not None else [-1, -1]
-        _fence()
-        return fields + sizes if theirs[_CALL] == seq else None  # else it moved on meanwhile
+        fence()
+        return fields + sizes if theirs[CALL] == seq else None  # else it moved on meanwhile
 
     def _mine(self, q: Peer) -> list[int]:
         return self._header.fields(self._seq, q)
@@ -430,8 +355,8 @@ class ShmTransport(Transport, SharedRegions):
             return
         for q in self._sends:
             theirs = self._ctrl[q]
-            if theirs[_CALL] < seq:
-                self._await(lambda: theirs[_CALL] >= seq, self._never, "waiting for", q, _ON_CALL)
+            if theirs[CALL] < seq:
+                self._await(lambda: theirs[CALL] >= seq, self._never, "waiting for", q, ON_CALL)
         self._check_calls(self._sends)
 
     def mismatch(self, peer: Peer, detail: str) -> CollectiveError:
@@ -744,9 +669,9 @@ class ShmTransport(Transport, SharedRegions):
 
     def _wake(self, event: int, peers: Iterable[Peer] | None = None) -> None:
         """Tell the peers (default: all) that ``event`` happened, writing a byte to those asleep on it."""
-        _fence()  # the counter we published must be visible before we read their flags (Dekker)
+        fence()  # the counter we published must be visible before we read their flags (Dekker)
         for q in self._sends if peers is None else peers:
-            if self._ctrl[q][_SLEEPING] & event:
+            if self._ctrl[q][SLEEPING] & event:
                 try:
                     self._socks[q].send(b"\0")
                 except OSError:  # full (it has wake-ups pending) or gone (its waits find out)
@@ -774,14 +699,14 @@ class ShmTransport(Transport, SharedRegions):
         deadline = time.monotonic() + self.timeout
         me = self._ctrl[self.rank]
         while True:
-            me[_SLEEPING] = event
-            _fence()
+            me[SLEEPING] = event
+            fence()
             if ready():
-                me[_SLEEPING] = 0
+                me[SLEEPING] = 0
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                me[_SLEEPING] = 0
+                me[SLEEPING] = 0
                 raise CollectiveTimeoutError(
                     f"{self.op}: {kind} rank {peer} timed out after {self.timeout:g}s "
                     f"(this is rank {self.rank} of {self.world_size})",
@@ -789,13 +714,13 @@ class ShmTransport(Transport, SharedRegions):
                     peer=peer,
                 )
             events = self._poll.poll(min(remaining, 0.1) * 1000)
-            me[_SLEEPING] = 0
+            me[SLEEPING] = 0
             for fileno, _event in events:
                 self._drain(self._fd_peer[fileno])
             if ready():
                 return
             self._check_calls(self._sends)
-            abandoned = [q for q in range(self.world_size) if q != self.rank and self._ctrl[q][_ABANDONED]]
+            abandoned = [q for q in range(self.world_size) if q != self.rank and self._ctrl[q][ABANDONED]]
             if abandoned and self._tag_base and self._header_of(abandoned[0]) is not None:
                 raise self._mismatch(abandoned[0])
             if abandoned:
@@ -817,8 +742,8 @@ class ShmTransport(Transport, SharedRegions):
     def _abandon(self, error: CollectiveError) -> CollectiveError:
         """Publish that this rank found a mismatch, so peers waiting on it raise at once instead of
         at the deadline; returns ``error`` for the caller to raise."""
-        self._ctrl[self.rank][_ABANDONED] = 1
-        self._wake(_ON_ANY)
+        self._ctrl[self.rank][ABANDONED] = 1
+        self._wake(ON_ANY)
         return error
 
     def _drain(self, q: Peer) -> None:
@@ -846,40 +771,40 @@ class ShmTransport(Transport, SharedRegions):
 
     def _push(self, q: Peer) -> bool:
         """Copy pending chunks to ``q`` while it has free slots; True if any moved."""
-        queue, ctrl, base = self._sends[q], self._ctrl[q], _PAIR + self.rank * _PAIR
+        queue, ctrl, base = self._sends[q], self._ctrl[q], PAIR + self.rank * PAIR
         slots, slot_bytes = self.config.slots, self.config.slot_bytes
         moved = False
         while queue:
             head = self._head[q]
-            if head - ctrl[base + _LINE] >= slots:
+            if head - ctrl[base + LINE] >= slots:
                 break
             m = queue[0]
             offset, size = m.chunk(slot_bytes)
             if size:
                 self._slot(q, self.rank, head % slots, size).copy_(m.data[offset : offset + size])
-            ctrl[base + 2 * _LINE + head % slots] = m.nbytes
-            ctrl[base + 3 * _LINE + head % slots] = m.tag
-            _fence()
+            ctrl[base + 2 * LINE + head % slots] = m.nbytes
+            ctrl[base + 3 * LINE + head % slots] = m.tag
+            fence()
             ctrl[base] = self._head[q] = head + 1
             if m.advance(size):
                 queue.popleft()
             moved = True
         if moved:
-            self._wake(_ON_MESSAGE, (q,))
+            self._wake(ON_MESSAGE, (q,))
         return moved
 
     def _pull(self, q: Peer) -> bool:
         """Copy arrived chunks from ``q`` into posted receives; True if any moved."""
-        queue, ctrl, base = self._recvs[q], self._ctrl[self.rank], _PAIR + q * _PAIR
+        queue, ctrl, base = self._recvs[q], self._ctrl[self.rank], PAIR + q * PAIR
         slots, slot_bytes = self.config.slots, self.config.slot_bytes
         moved = False
         while queue:
             tail = self._tail[q]
             if ctrl[base] == tail:
                 break
-            _fence()
+            fence()
             m = queue[0]
-            sent = ctrl[base + 2 * _LINE + tail % slots]
+            sent = ctrl[base + 2 * LINE + tail % slots]
             if sent != m.nbytes:  # checked calls: the wire check's account of both; else the sizes
                 raise self._abandon(self._mismatch(q) if self._tag_base else CollectiveError(
                     f"{self.op}: rank {q} sent a {sent}-byte message where this rank (rank {self.rank}) "
@@ -887,18 +812,18 @@ class ShmTransport(Transport, SharedRegions):
                     op=self.op,
                     peer=q,
                 ))
-            if ctrl[base + 3 * _LINE + tail % slots] != m.tag:
+            if ctrl[base + 3 * LINE + tail % slots] != m.tag:
                 raise self._abandon(self._mismatch(q))
             offset, size = m.chunk(slot_bytes)
             if size:
                 m.data[offset : offset + size].copy_(self._slot(self.rank, q, tail % slots, size))
-            _fence()
-            ctrl[base + _LINE] = self._tail[q] = tail + 1
+            fence()
+            ctrl[base + LINE] = self._tail[q] = tail + 1
             if m.advance(size):
                 queue.popleft()
             moved = True
         if moved:
-            self._wake(_ON_MESSAGE, (q,))
+            self._wake(ON_MESSAGE, (q,))
         return moved
 
     def progress(self) -> None:
@@ -917,7 +842,7 @@ class ShmTransport(Transport, SharedRegions):
             self.progress()
             return not m.chunks
 
-        self._await(ready, self._pending_peers, "send to" if m.kind == "send" else "recv from", m.peer, _ON_MESSAGE)
+        self._await(ready, self._pending_peers, "send to" if m.kind == "send" else "recv from", m.peer, ON_MESSAGE)
 
     def _check_peer(self, peer: Peer) -> None:
         if not 0 <= peer < self.world_size or peer == self.rank:
@@ -964,31 +889,31 @@ class ShmTransport(Transport, SharedRegions):
         if g >= 2:
             for q in self._sends:
                 ctrl = self._ctrl[q]
-                if ctrl[_DONE] < g - 1:
-                    self._await(lambda: ctrl[_DONE] >= g - 1, self._never, "waiting for", q, _ON_DONE)
+                if ctrl[DONE] < g - 1:
+                    self._await(lambda: ctrl[DONE] >= g - 1, self._never, "waiting for", q, ON_DONE)
         signature ^= self._tag_base  # the wire check rides on the piece's signature
         self._half, self._signature = g % 2, signature
-        self._ctrl[self.rank][_TAG + g % 2] = signature
+        self._ctrl[self.rank][TAG + g % 2] = signature
         return g % 2
 
     def end_piece(self) -> None:
         self._pieces += 1
-        _fence()  # our reads of the peers' halves are done before we say so
-        self._ctrl[self.rank][_DONE] = self._pieces
-        self._wake(_ON_DONE)
+        fence()  # our reads of the peers' halves are done before we say so
+        self._ctrl[self.rank][DONE] = self._pieces
+        self._wake(ON_DONE)
 
     def step(self, wait_for: Iterable[Peer]) -> None:
         self._step = step = self._step + 1
         ctrl, me = self._ctrl, self.rank
-        _fence()  # our writes to our half are visible before the step that announces them
-        ctrl[me][_SEQ] = step
-        self._wake(_ON_STEP)
+        fence()  # our writes to our half are visible before the step that announces them
+        ctrl[me][SEQ] = step
+        self._wake(ON_STEP)
         for q in wait_for:
-            if q != me and ctrl[q][_SEQ] < step:
+            if q != me and ctrl[q][SEQ] < step:
                 theirs = ctrl[q]
-                self._await(lambda: theirs[_SEQ] >= step, self._never, "waiting for", q, _ON_STEP)
-        _fence()  # we read their halves only after seeing their step
-        half, signature, checked = _TAG + self._half, self._signature, 0
+                self._await(lambda: theirs[SEQ] >= step, self._never, "waiting for", q, ON_STEP)
+        fence()  # we read their halves only after seeing their step
+        half, signature, checked = TAG + self._half, self._signature, 0
         for q in wait_for:
             if ctrl[q][half] != signature:
                 raise self._abandon(self._mismatch(q))
@@ -999,7 +924,7 @@ class ShmTransport(Transport, SharedRegions):
     def publish(self, tensors: Mapping[Peer, torch.Tensor]) -> None:
         """See :meth:`SharedRegions.publish`: writes (address, bytes, piece + 1) into each reader's
         control block, in this rank's head line there; the next :meth:`step` makes it visible."""
-        stamp, me = self._pieces + 1, _PAIR + self.rank * _PAIR + _CMA
+        stamp, me = self._pieces + 1, PAIR + self.rank * PAIR + CMA
         for q, t in tensors.items():
             _check_contiguous(t, self.op)
             self._ctrl[q][me : me + 3] = array.array("q", (t.data_ptr(), t.numel() * t.element_size(), stamp))
@@ -1008,7 +933,7 @@ class ShmTransport(Transport, SharedRegions):
     def read(self, owner: Peer, out: torch.Tensor) -> None:
         """See :meth:`SharedRegions.read`."""
         _check_contiguous(out, self.op)
-        line, mine = _PAIR + owner * _PAIR + _CMA, self._ctrl[self.rank]
+        line, mine = PAIR + owner * PAIR + CMA, self._ctrl[self.rank]
         address, nbytes, stamp = mine[line : line + 3].tolist()
         expected, piece = out.numel() * out.element_size(), self._pieces + 1
         if stamp < 0:
@@ -1032,7 +957,7 @@ class ShmTransport(Transport, SharedRegions):
                     op=self.op,
                     peer=owner,
                 ) from exc
-        _fence()
+        fence()
         if mine[line + 2] != stamp:  # the owner gave up waiting for us: its tensor may have changed meanwhile
             raise self._gave_up(owner)
 
@@ -1050,8 +975,8 @@ class ShmTransport(Transport, SharedRegions):
         done = self._pieces
         for q in readers:
             theirs = self._ctrl[q]
-            if theirs[_DONE] < done:
-                self._await(lambda: theirs[_DONE] >= done, self._never, "waiting for a read by", q, _ON_DONE)
+            if theirs[DONE] < done:
+                self._await(lambda: theirs[DONE] >= done, self._never, "waiting for a read by", q, ON_DONE)
         self._published = []
 
     def withdraw(self) -> None:
@@ -1059,10 +984,10 @@ class ShmTransport(Transport, SharedRegions):
         caller may change the tensors. A reader checks its descriptor again after reading, so
         one that has not finished raises instead of returning bytes that may have changed."""
         if self._published and self._ctrl:
-            me = _PAIR + self.rank * _PAIR + _CMA + 2
+            me = PAIR + self.rank * PAIR + CMA + 2
             for q in self._published:
                 self._ctrl[q][me] = -1
-            _fence()
+            fence()
         self._published = []
 
     def allocate(self, nbytes: int) -> list[torch.Tensor] | None:
@@ -1078,7 +1003,7 @@ class ShmTransport(Transport, SharedRegions):
             return None
         self._allocations += 1
         key, rank, n = f"{self._key}/alloc/{self._allocations}", self.rank, self.world_size
-        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        size = max(PAGE, -(-nbytes // PAGE) * PAGE)
         deadline = time.monotonic() + self.timeout
         fd, _reports, failures = self._report_segment(key, size, "ok", deadline)
         if failures:
