@@ -37,6 +37,8 @@ FLOORS: list[tuple[str, ...]] = [
     # the shared-memory transport, one concept per file (see its package docstring)
     ("collectives.transport.shm.control",),
     ("collectives.transport.shm.config",),
+    ("collectives.transport.shm.segment",),
+    ("collectives.transport.shm.rendezvous",),
     ("collectives.transport.shm.transport",),
     ("collectives.transport.shm",),
     # algorithms over a transport, and the user point-to-point protocol

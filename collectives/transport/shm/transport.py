@@ -70,17 +70,13 @@ from __future__ import annotations
 import array
 import collections
 import ctypes
-import dataclasses
-import datetime
 import errno
 import functools
 import logging
-import mmap
 import os
 import secrets
 import select
 import socket
-import struct
 import sys
 import time
 from typing import Callable, ContextManager, Iterable, Mapping
@@ -97,18 +93,12 @@ from .control import (
     ABANDONED, BYTES, CALL, CMA, DONE, LINE, ON_ANY, ON_CALL, ON_DONE, ON_MESSAGE, ON_STEP, PAGE, PAIR, SEQ, SLEEPING, TAG,
     fence,
 )
+from .rendezvous import Rendezvous, machine
+from .segment import Segments
 
 log = logging.getLogger(__name__)
 
 _BUSY_SPIN = 50e-6  # seconds a waiter with a core of its own spins without yielding
-
-
-def _machine() -> str:
-    """This kernel's boot id and network namespace: ranks with equal values can pass fds over
-    abstract unix sockets (and so share segments)."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    return f"{boot} {os.stat('/proc/self/ns/net').st_ino}"
 
 
 class _IoVec(ctypes.Structure):
@@ -249,9 +239,7 @@ class ShmTransport(Transport, SharedRegions):
         fallback: Callable[[], Transport] | None = None,
     ):
         Transport.__init__(self, rank, world_size, timeout)
-        # the n-th transport this rank builds on this store meets the n-th of every other rank
-        self._key = f"shm/{store.add(f'shm/built/{rank}', 1)}"
-        self._store = store
+        self._rendezvous = Rendezvous(self, store)
         self.config = config or ShmConfig.from_env()
         self.config.validate()
         self._fallback = fallback
@@ -270,11 +258,10 @@ class ShmTransport(Transport, SharedRegions):
         self._verified = 0  # the last one whose pieces matched every peer's signature
         self._header: wire.Header | None = None  # its header
         self._published_header: wire.Header | None = None  # the one whose fields are in shared memory
-        self._maps: list[mmap.mmap | None] = []
+        self._segments: Segments | None = None
         self._socks: dict[Peer, socket.socket] = {}
         self._published: list[Peer] = []  # readers of this rank's tensors in the current call (publish)
         self._allocations = 0  # symmetric allocations made (see allocate)
-        self._allocated: list[mmap.mmap] = []
 
     def operation(self, name: str) -> ContextManager[None]:
         """Label the traffic; a checked collective (:func:`collectives.wire.current`) is numbered,
@@ -407,35 +394,13 @@ class ShmTransport(Transport, SharedRegions):
         self._set_up = True
         return True
 
-    def _get(self, key: str, peer: Peer, deadline: float) -> str:
-        """A set-up value published by ``peer``, waiting at most until ``deadline``."""
-        try:
-            self._store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except (RuntimeError, dist.DistError) as exc:
-            raise CollectiveTimeoutError(
-                f"{self.op}: shared-memory set-up timed out after {self.timeout:g}s: rank {peer} did not "
-                f"join (this is rank {self.rank} of {self.world_size})",
-                op=self.op,
-                peer=peer,
-            ) from exc
-        return self._store.get(key).decode()
-
     def _setup(self) -> None:
         """Agree on sizes, create the segment, check every rank succeeded, exchange and map."""
-        store, key, rank, local = self._store, self._key, self.rank, self.config
+        rendezvous, rank, n = self._rendezvous, self.rank, self.world_size
         deadline = time.monotonic() + self.timeout
-        if rank == 0:
-            uid = secrets.token_hex(8)
-            store.set(f"{key}/setup", f"{uid},{local.slot_bytes},{local.slots},{local.region_bytes},{int(local.cma)}")
-        uid, slot, slots, region, cma = self._get(f"{key}/setup", 0, deadline).split(",")
-        self.config = dataclasses.replace(
-            local, slot_bytes=int(slot), slots=int(slots), region_bytes=int(region), cma=cma == "1"
-        )
-        self._uid = uid
-        cfg, n = self.config, self.world_size
-        self._size = cfg.segment_bytes(n)
-        self._ctrl_bytes = cfg.control_bytes(n)
-        fd, reports, failures = self._report_segment(f"{key}/ok", self._size, f"ok {_machine()}", deadline)
+        self.config = cfg = rendezvous.agree(self.config, deadline)
+        size = cfg.segment_bytes(n)
+        fd, reports, failures = rendezvous.report_segment("ok", cfg.directory, size, f"ok {machine()}", deadline)
         if not failures and len(set(reports)) > 1:  # checked, not assumed: one kernel, one network
             failures = [(rank, f"shm: the ranks are not all on one host in one network namespace: {reports}; "
                                "use backend='p2p'")]
@@ -445,17 +410,17 @@ class ShmTransport(Transport, SharedRegions):
             q, text = failures[0]
             raise ShmUnavailableError(text if q == rank else f"shm: rank {q} could not set up: {text}")
         try:
-            self._maps, self._socks = self._map_all(fd, self._size, deadline, "")  # type: ignore[assignment]
+            maps, self._socks = rendezvous.map_all(fd, size, deadline, "")
         except OSError as exc:  # the ranks agreed they can share memory: a peer failed mid-way
             raise CollectiveError(
                 f"{self.op}: shared-memory set-up failed while exchanging segments with the peers "
                 f"(this is rank {rank} of {self.world_size}): {exc}",
                 op=self.op,
             ) from exc
-        self._ctrl = [memoryview(m).cast("q") for m in self._maps]  # type: ignore[arg-type]
-        self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]  # type: ignore[arg-type]
+        segments = self._segments = Segments(maps, cfg)
+        self._ctrl, self._bytes, self._ctrl_bytes = segments.ctrl, segments.data, segments.fifo_start
         half = cfg.region_bytes // 2
-        start = self._ctrl_bytes + (n - 1) * cfg.slots * cfg.slot_bytes
+        start = segments.region_start
         self._halves = [[b[start + h * half : start + (h + 1) * half] for h in (0, 1)] for b in self._bytes]
         self.piece_bytes = half
         self._head = [0] * n  # my sends to q: chunks published (mirror of q's head[me])
@@ -476,7 +441,7 @@ class ShmTransport(Transport, SharedRegions):
         self.cma = self._probe_cma(deadline)
         if self._tag_base:
             self._publish_call()
-        log.debug("shm transport %s: rank %d/%d, %d bytes per rank", uid, rank, n, self._size)
+        log.debug("shm transport %s: rank %d/%d, %d bytes per rank", rendezvous.uid, rank, n, size)
 
     def _probe_cma(self, deadline: float) -> bool:
         """Whether every rank can read every peer's memory (:func:`_read_memory`), agreed by all.
@@ -486,14 +451,14 @@ class ShmTransport(Transport, SharedRegions):
         wrong word (the pid names another process: separate pid namespaces) turns single-copy
         reads off on every rank, logged once. Two rounds through the store, at set-up only.
         """
-        key, rank, n = self._key, self.rank, self.world_size
+        rendezvous, rank, n = self._rendezvous, self.rank, self.world_size
         if not self.config.cma:
             log.info("shm: single-copy reads are off (RINGDDP_SHM_CMA=0)")
             return False
         self._probe_word = ctypes.c_int64(secrets.randbits(63))
         word = self._probe_word
-        self._store.set(f"{key}/cma/{rank}", f"{os.getpid()} {ctypes.addressof(word)} {word.value}")
-        peers = {q: [int(x) for x in self._get(f"{key}/cma/{q}", q, deadline).split()] for q in range(n) if q != rank}
+        rendezvous.set(f"cma/{rank}", f"{os.getpid()} {ctypes.addressof(word)} {word.value}")
+        peers = {q: [int(x) for x in rendezvous.get(f"cma/{q}", q, deadline).split()] for q in range(n) if q != rank}
         failure = ""
         for q, (pid, address, value) in peers.items():
             word = ctypes.c_int64()
@@ -505,8 +470,8 @@ class ShmTransport(Transport, SharedRegions):
             if word.value != value:
                 failure = f"rank {q}'s pid {pid} is another process to rank {rank} (separate pid namespaces?)"
                 break
-        self._store.set(f"{key}/cma-ok/{rank}", failure or "ok")
-        reports = [self._get(f"{key}/cma-ok/{q}", q, deadline) for q in range(n)]
+        rendezvous.set(f"cma-ok/{rank}", failure or "ok")
+        reports = [rendezvous.get(f"cma-ok/{q}", q, deadline) for q in range(n)]
         failures = [text for text in reports if text != "ok"]
         if failures:
             log.info("shm: single-copy reads (process_vm_readv) are unavailable, large transfers copy twice "
@@ -536,134 +501,6 @@ class ShmTransport(Transport, SharedRegions):
         segments) and falls back to p2p, on every rank alike, if that fails.
         """
         return group is not None and sys.platform.startswith("linux") and len(set(group.hosts)) == 1
-
-    # ---- set-up ----------------------------------------------------------------------------
-
-    def _create_segment(self, size: int) -> int:
-        """An unnamed, fully reserved file of ``size`` bytes on the segment file system."""
-        directory = self.config.directory
-        try:
-            fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
-        except (AttributeError, OSError):  # no O_TMPFILE here: a unique name, unlinked at once
-            path = os.path.join(directory, f"ringddp-{self._uid}-{self.rank}")
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.unlink(path)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.ENOSPC, errno.EFBIG):
-                raise
-            try:
-                st = os.statvfs(directory)
-                free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB"
-            except OSError:
-                free = "free space unknown"
-            raise ShmUnavailableError(
-                f"shm: {directory} is too small: rank {self.rank} needs {size} bytes "
-                f"({size / 2**20:.1f} MiB; {free}). Fix: enlarge it (docker run --shm-size=1g, or "
-                f"mount -o remount,size=1G {directory}), point RINGDDP_SHM_DIR at a larger tmpfs, shrink "
-                "RINGDDP_SHM_REGION_BYTES / RINGDDP_SHM_SLOT_BYTES, or use backend='p2p'"
-            ) from exc
-        return fd
-
-    def _report_segment(self, key: str, size: int, ok: str, deadline: float) -> tuple[int, list[str], list[tuple[Peer, str]]]:
-        """Create this rank's segment of ``size`` bytes and publish ``ok`` or ``fail <why>`` under
-        ``key``; returns the fd (-1 if it failed), every rank's report and the failures (rank, why)."""
-        fd, failure = -1, ""
-        try:
-            fd = self._create_segment(size)
-        except (OSError, ShmUnavailableError) as exc:
-            failure = str(exc)
-        self._store.set(f"{key}/{self.rank}", f"fail {failure}" if failure else ok)
-        reports = [self._get(f"{key}/{q}", q, deadline) for q in range(self.world_size)]
-        return fd, reports, [(q, text[5:]) for q, text in enumerate(reports) if text.startswith("fail ")]
-
-    def _map_all(self, fd: int, size: int, deadline: float, channel: str) -> tuple[list[mmap.mmap], dict[Peer, socket.socket]]:
-        """Exchange ``fd`` with every peer and map every rank's segment (index = rank); returns the
-        mappings and the sockets. Every fd is closed, ``fd`` included; on OSError so is what it opened."""
-        fds: dict[Peer, int] = {self.rank: fd}
-        maps: list[mmap.mmap] = []
-        socks: dict[Peer, socket.socket] = {}
-        try:
-            fds, socks = self._exchange_fds(fd, deadline, channel)
-            for q in range(self.world_size):
-                maps.append(self._map(fds[q], size))
-        except OSError:
-            for m in maps:
-                m.close()
-            for s in socks.values():
-                s.close()
-            raise
-        finally:
-            for f in {fd, *fds.values()}:
-                os.close(f)
-        return maps, socks
-
-    def _address(self, q: int, channel: str) -> bytes:
-        return f"\0ringddp-shm-{self._uid}-{q}{channel}".encode()
-
-    def _exchange_fds(self, fd: int, deadline: float, channel: str) -> tuple[dict[Peer, int], dict[Peer, socket.socket]]:
-        """Exchange segment fds with every peer over abstract unix sockets; return the fds and sockets.
-
-        ``channel`` tells the exchanges of one job apart (the transport's own segments: ``""``).
-
-        Rank ``r`` connects to every lower rank and accepts every higher one; a connection only
-        waits for a lower rank, so the set-up cannot deadlock.
-        """
-        n, r = self.world_size, self.rank
-        fds = {r: fd}
-        socks: dict[Peer, socket.socket] = {}
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(self._address(r, channel))
-            listener.listen(n)
-            for q in range(r):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                socks[q] = s
-                while True:
-                    s.settimeout(max(0.001, deadline - time.monotonic()))
-                    try:
-                        s.connect(self._address(q, channel))
-                        break
-                    except (ConnectionRefusedError, FileNotFoundError):
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.002)
-                socket.send_fds(s, [struct.pack("<i", r)], [fd])
-                fds[q] = self._receive_fd(s, q)
-            for _ in range(r + 1, n):
-                listener.settimeout(max(0.001, deadline - time.monotonic()))
-                s, _addr = listener.accept()
-                s.settimeout(max(0.001, deadline - time.monotonic()))
-                data, got, _flags, _addr = socket.recv_fds(s, 4, 1)
-                if len(data) != 4 or len(got) != 1:
-                    raise ConnectionError("malformed hello from a peer")
-                q = struct.unpack("<i", data)[0]
-                socks[q] = s
-                fds[q] = got[0]
-                socket.send_fds(s, [struct.pack("<i", r)], [fd])
-        except BaseException:
-            for s in socks.values():
-                s.close()
-            raise
-        finally:
-            listener.close()
-        return fds, socks
-
-    @staticmethod
-    def _receive_fd(s: socket.socket, q: int) -> int:
-        data, got, _flags, _addr = socket.recv_fds(s, 4, 1)
-        if len(got) != 1 or struct.unpack("<i", data)[0] != q:
-            raise ConnectionError(f"malformed reply from rank {q}")
-        return got[0]
-
-    @staticmethod
-    def _map(fd: int, size: int) -> mmap.mmap:
-        if os.fstat(fd).st_size != size:
-            raise ConnectionError(f"peer segment has {os.fstat(fd).st_size} bytes, expected {size}")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     # ---- waiting ---------------------------------------------------------------------------
 
@@ -1002,10 +839,11 @@ class ShmTransport(Transport, SharedRegions):
         if not self._ready():
             return None
         self._allocations += 1
-        key, rank, n = f"{self._key}/alloc/{self._allocations}", self.rank, self.world_size
+        rank, n, rendezvous = self.rank, self.world_size, self._rendezvous
         size = max(PAGE, -(-nbytes // PAGE) * PAGE)
         deadline = time.monotonic() + self.timeout
-        fd, _reports, failures = self._report_segment(key, size, "ok", deadline)
+        name = f"alloc/{self._allocations}"
+        fd, _reports, failures = rendezvous.report_segment(name, self.config.directory, size, "ok", deadline)
         if failures:
             if fd >= 0:
                 os.close(fd)
@@ -1013,7 +851,7 @@ class ShmTransport(Transport, SharedRegions):
             log.warning("%s: no symmetric memory of %d bytes (rank %d: %s); using private memory", self.op, nbytes, q, text)
             return None
         try:
-            maps, socks = self._map_all(fd, size, deadline, f"-alloc{self._allocations}")
+            maps, socks = rendezvous.map_all(fd, size, deadline, f"-alloc{self._allocations}")
         except OSError as exc:
             raise CollectiveError(
                 f"{self.op}: exchanging symmetric memory with the peers failed (this is rank {rank} of {n}): {exc}",
@@ -1021,7 +859,7 @@ class ShmTransport(Transport, SharedRegions):
             ) from exc
         for s in socks.values():
             s.close()
-        self._allocated.extend(maps)
+        self._segments.adopt(maps)
         return [torch.frombuffer(m, dtype=torch.uint8)[:nbytes] for m in maps]  # type: ignore[arg-type]
 
     # ---- teardown --------------------------------------------------------------------------
@@ -1035,15 +873,7 @@ class ShmTransport(Transport, SharedRegions):
         for s in self._socks.values():
             s.close()
         self._socks.clear()
-        self._ctrl = []
-        self._bytes = []
         self._halves = []
         self._views = {}
-        for m in [*self._maps, *self._allocated]:
-            if m is not None:
-                try:
-                    m.close()
-                except BufferError:  # a caller still holds a view; the mapping goes with it
-                    pass
-        self._maps = [None] * len(self._maps)
-        self._allocated = []
+        if self._segments is not None:
+            self._segments.close()
