@@ -38,7 +38,10 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.transport.shm.control",),
     ("collectives.transport.shm.config",),
     ("collectives.transport.shm.segment",),
-    ("collectives.transport.shm.rendezvous",),
+    ("collectives.transport.shm.rendezvous", "collectives.transport.shm.waiting"),
+    ("collectives.transport.shm.wirecheck",),
+    ("collectives.transport.shm.fifo", "collectives.transport.shm.cma"),
+    ("collectives.transport.shm.regions",),
     ("collectives.transport.shm.transport",),
     ("collectives.transport.shm",),
     # algorithms over a transport, and the user point-to-point protocol
