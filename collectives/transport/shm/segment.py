@@ -73,8 +73,8 @@ class Segments:
         data: each rank's whole segment as ``uint8``.
         fifo_start: byte offset of the first FIFO slot; region_start: of the region.
 
-    The FIFOs, the regions, the waits and the wire check all hold ``ctrl`` and ``data``
-    (:meth:`close` empties them in place).
+    The other parts keep these lists themselves (one lookup at construction, none per access in
+    their loops), so :meth:`close` empties them in place.
     """
 
     def __init__(self, maps: list[mmap.mmap], config: ShmConfig):

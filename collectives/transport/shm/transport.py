@@ -111,18 +111,8 @@ class ShmTransport(Transport):
     def operation(self, name: str) -> ContextManager[None]:
         """Label the traffic; a checked collective (:func:`collectives.wire.current`) is numbered,
         tags its messages and pieces with what it is, publishes its header, and compares the
-        peers' headers before it returns.
-
-        The check sends no message. Each slot carries its message's tag
-        (:func:`collectives.wire.tag`) next to its size and each piece its signature mixed with
-        the header's tag base, so data of another call is never read: the rank that finds one
-        raises and tells its peers (:meth:`.wirecheck.WireCheck.abandon`). Every rank publishes
-        its header (the all-to-all byte counts in each peer's pair lines) when the collective
-        starts; at the end, each rank waits until every peer has started the same collective
-        number and compares headers, so a rank that finished without reading anything of the
-        peers' (a broadcast root, a sender whose messages fit the slots) raises too. Ranks that
-        wait on each other without moving data (one runs a region algorithm, the other
-        messages) compare while they sleep.
+        peers' headers before it returns, all without a message of its own (:mod:`.wirecheck`).
+        When the body raises, what this rank published for single-copy reads is withdrawn.
         """
         if self._p2p is not None:  # fell back: the p2p transport runs its own wire check
             return self._p2p.operation(name)
