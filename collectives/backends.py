@@ -12,7 +12,7 @@ Built-in backends (registered at the bottom of this file):
 ``auto``       (default) per device type, the usable backend of highest ``auto_priority``:
                ``shm`` for CPU tensors when every rank is on one host, else ``p2p``;
                ``nccl-cupy`` for CUDA tensors
-``shm``        our algorithms over shared memory (``transport/shm.py``), ranks of one host
+``shm``        our algorithms over shared memory (``transport/shm/``), ranks of one host
 ``p2p``        our algorithms over torch point-to-point (gloo); alias ``gloo``. A group that
                spans hosts runs the hierarchical algorithms' intra-host phases over shared memory
 ``nccl-cupy``  our algorithms over NCCL send/recv through CuPy; aliases ``nccl``, ``cupy``

@@ -49,7 +49,7 @@ These need every host to run the same number of ranks of the group (a *uniform* 
 engine uses them only then. Transports (:class:`Hierarchy`): the rail phases use a
 :class:`SubsetTransport` view of the group's transport (ranks renumbered, messages forwarded). The
 intra-host phases use the transport a :data:`HostTransport` makes for the host's ranks: the CPU
-backends make a shared-memory one (``transport/shm.py``, private to the host), and the phases
+backends make a shared-memory one (``transport/shm/``, private to the host), and the phases
 above run ``shm_algorithms.py`` on its regions. Where there is none (CUDA, a host of one rank, a
 group on one host forced to ``"hierarchical"``) or shared memory could not be set up (every rank
 of the host then agrees to fall back, with a logged warning), the intra-host phases are the ring

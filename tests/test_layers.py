@@ -34,6 +34,15 @@ FLOORS: list[tuple[str, ...]] = [
     # transports: the interface, then its implementations (shm falls back to p2p)
     ("collectives.transport.base", "collectives.transport"),
     ("collectives.transport.subset", "collectives.transport.torch_p2p", "collectives.transport.cupy_nccl"),
+    # the shared-memory transport, one concept per file (see its package docstring)
+    ("collectives.transport.shm.control",),
+    ("collectives.transport.shm.config",),
+    ("collectives.transport.shm.segment",),
+    ("collectives.transport.shm.rendezvous", "collectives.transport.shm.waiting"),
+    ("collectives.transport.shm.wirecheck",),
+    ("collectives.transport.shm.fifo", "collectives.transport.shm.cma"),
+    ("collectives.transport.shm.regions",),
+    ("collectives.transport.shm.transport",),
     ("collectives.transport.shm",),
     # algorithms over a transport, and the user point-to-point protocol
     ("collectives.ring", "collectives.tree", "collectives.direct", "collectives.mailbox"),

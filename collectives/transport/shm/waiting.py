@@ -1,0 +1,177 @@
+"""Waiting for the peers: spin, then sleep on the sockets; wake sleepers; notice dead peers.
+
+Ranks may outnumber cores (4 ranks on 2 cores), so a waiter spins only briefly
+(``spin_seconds``: 300 µs when every rank has a core, the first 50 µs without yielding it; else
+50 µs yielding the core each turn), then writes the events it waits for into its ``sleeping``
+word, fences, checks again and blocks in ``poll`` on its sockets to the peers. Whoever publishes
+a counter fences, reads the peers' ``sleeping`` words and writes one byte to the socket of each
+peer asleep on that event (the Dekker pattern: store, fence, load the other side's word, on both
+sides). A sleeping waiter costs its peers a system call and itself a wake-up (on a VM about
+200 µs), hence the spin; a ready counter costs one read, no fence and no call.
+
+The same sockets report a dead peer (EOF: the kernel closes them when a process dies, even by
+SIGKILL), and ``poll`` carries the group's deadline, so a stopped peer gives a
+:class:`~collectives.errors.CollectiveTimeoutError` and a dead one a
+:class:`~collectives.errors.CollectiveError`, both naming the operation and the peer.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from typing import Callable, Iterable
+
+from ...errors import CollectiveError, CollectiveTimeoutError
+from ..base import Peer, Transport
+from .control import SLEEPING, fence
+from .segment import Segments
+
+BUSY_SPIN = 50e-6  # seconds a waiter with a core of its own spins without yielding
+
+
+def spin_times(spin_seconds: float | None, world_size: int) -> tuple[float, float]:
+    """How long a waiter spins before it sleeps, and for how much of that it keeps its core.
+
+    With a core per rank: ``spin_seconds`` (default 300 µs), the first :data:`BUSY_SPIN`
+    without yielding (the peer is about to publish; ``sched_yield`` hands the core to any
+    other runnable thread for up to its time slice), then yielding (other threads, e.g. gloo's
+    I/O, get the core). With more ranks than cores: 50 µs by default, yielding from the start
+    (the peer we wait for may need our core).
+    """
+    own_core = world_size <= len(os.sched_getaffinity(0))
+    spin = spin_seconds if spin_seconds is not None else (300e-6 if own_core else 50e-6)
+    return spin, min(spin, BUSY_SPIN) if own_core else 0.0
+
+
+def nobody() -> tuple[Peer, ...]:
+    """For :meth:`Waiter.wait`: the wait needs no rank's progress but its ``peer``'s."""
+    return ()
+
+
+class Waiter:
+    """Waits on the control blocks, wakes the peers that sleep, and finds the dead ones.
+
+    Args:
+        transport: gives the rank, the group's size and deadline, and the collective under way
+            (its ``op``, which errors name).
+        segments: the mapped control blocks.
+        socks: one connected unix socket per peer (from :meth:`.rendezvous.Rendezvous.map_all`);
+            the waiter owns them from now on.
+        spin: :func:`spin_times`.
+        check_peers: called after each wake-up that did not end a wait; raises when a peer runs
+            another call or abandoned it (:meth:`.wirecheck.WireCheck.check_peers`).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        segments: Segments,
+        socks: dict[Peer, socket.socket],
+        spin: tuple[float, float],
+        check_peers: Callable[[], None],
+    ):
+        self._transport = transport
+        self.rank, self.world_size, self.timeout = transport.rank, transport.world_size, transport.timeout
+        self._ctrl = segments.ctrl
+        self._socks = socks
+        self._peers = [q for q in range(self.world_size) if q != self.rank]
+        self._spin, self._busy_spin = spin
+        self._check_peers = check_peers
+        self._dead: set[Peer] = set()
+        self._poll = select.poll()
+        self._fd_peer: dict[int, Peer] = {}
+        for q, s in socks.items():
+            s.setblocking(False)
+            self._poll.register(s.fileno(), select.POLLIN)
+            self._fd_peer[s.fileno()] = q
+
+    def wake(self, event: int, peers: Iterable[Peer] | None = None) -> None:
+        """Tell the peers (default: all) that ``event`` happened, writing a byte to those asleep on it."""
+        fence()  # the counter we published must be visible before we read their flags (Dekker)
+        for q in self._peers if peers is None else peers:
+            if self._ctrl[q][SLEEPING] & event:
+                try:
+                    self._socks[q].send(b"\0")
+                except OSError:  # full (it has wake-ups pending) or gone (its waits find out)
+                    pass
+
+    def wait(
+        self, ready: Callable[[], bool], peers: Callable[[], Iterable[Peer]], kind: str, peer: Peer, event: int
+    ) -> None:
+        """Block until ``ready()``; ``peers()`` are the ranks whose progress it needs besides
+        ``peer`` (:func:`nobody`), ``event`` the kinds of publication (``ON_*``) that can make it
+        ready.
+
+        Spins for ``spin_seconds`` then sleeps on the peer sockets; raises naming ``peer`` (or
+        the dead peer among ``peers()``) at the deadline or when a needed peer has exited.
+        ``kind`` says what the wait is for in the message (``"recv from"``, ``"waiting for"``).
+        """
+        if ready():
+            return
+        now = time.perf_counter()
+        spin_until = now + self._spin
+        busy_until = now + self._busy_spin
+        while (now := time.perf_counter()) < spin_until:
+            if now >= busy_until:
+                os.sched_yield()
+            if ready():
+                return
+        deadline = time.monotonic() + self.timeout
+        me = self._ctrl[self.rank]
+        while True:
+            me[SLEEPING] = event
+            fence()
+            if ready():
+                me[SLEEPING] = 0
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                me[SLEEPING] = 0
+                op = self._transport.op
+                raise CollectiveTimeoutError(
+                    f"{op}: {kind} rank {peer} timed out after {self.timeout:g}s "
+                    f"(this is rank {self.rank} of {self.world_size})",
+                    op=op,
+                    peer=peer,
+                )
+            events = self._poll.poll(min(remaining, 0.1) * 1000)
+            me[SLEEPING] = 0
+            for fileno, _event in events:
+                self._drain(self._fd_peer[fileno])
+            if ready():
+                return
+            self._check_peers()
+            dead = [q for q in ([peer] + list(peers())) if q in self._dead]
+            if dead:
+                op = self._transport.op
+                raise CollectiveError(
+                    f"{op}: {kind} rank {dead[0]} failed: the peer exited "
+                    f"(this is rank {self.rank} of {self.world_size})",
+                    op=op,
+                    peer=dead[0],
+                )
+
+    def _drain(self, q: Peer) -> None:
+        """Read the wake-up bytes ``q`` sent; on EOF or a reset, count ``q`` dead."""
+        s = self._socks[q]
+        try:
+            while True:
+                data = s.recv(4096)
+                if not data:
+                    break
+                if len(data) < 4096:
+                    return
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._dead.add(q)  # EOF or reset: the peer's process is gone
+        self._poll.unregister(s.fileno())
+
+    def close(self) -> None:
+        """Close the sockets to the peers."""
+        for s in self._socks.values():
+            s.close()
+        self._socks.clear()
