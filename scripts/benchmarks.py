@@ -1,6 +1,6 @@
 """Measure the benchmark suites, and generate docs/benchmarks.md and README's summary from them.
 
-    python scripts/benchmarks.py measure               # every suite, then render (about 20 min on 2 cores)
+    python scripts/benchmarks.py measure               # every suite, then render (about 20 min on 2 busy cores)
     python scripts/benchmarks.py measure ddp all_reduce-loop   # only these suites, then render
     python scripts/benchmarks.py render                # rewrite docs/benchmarks.md and README's summary block
     python scripts/benchmarks.py render --check        # exit 1 if either is out of date with the JSON
@@ -69,12 +69,12 @@ SUITES: tuple[Suite, ...] = (
            "--min-bytes", "4K", "--max-bytes", "256M")),
     Suite("all_reduce-loop", "collectives.bench",
           ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4",
-           "--dtypes", "float32,float16,bfloat16", "--min-bytes", "4K", "--max-bytes", "64M")),
+           "--dtypes", "float32,float16,bfloat16", "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
     Suite("other-ops", "collectives.bench",
           ("--shm", "--ops", _OTHER_OPS, "--world-sizes", "2,4", "--min-bytes", "1M", "--max-bytes", "16M")),
     Suite("other-ops-loop", "collectives.bench",
           ("--shm", "--timing", "loop", "--ops", _OTHER_OPS, "--world-sizes", "2,4",
-           "--min-bytes", "1M", "--max-bytes", "16M")),
+           "--min-bytes", "1M", "--max-bytes", "16M", "--iters", "10")),
     Suite("check-cost-4K", "collectives.bench", _WIRE_CHECK + ("--min-bytes", "4K", "--max-bytes", "4K", "--iters", "300")),
     Suite("check-cost-64M", "collectives.bench", _WIRE_CHECK + ("--min-bytes", "64M", "--max-bytes", "64M", "--iters", "20")),
     Suite("ddp", "ddp.bench", ("--bucket-mb", "25,inf", "--comm-hook", "none,fp16", "--rounds", "20")),
@@ -271,6 +271,8 @@ measured median skew), and the first rank out waits through that gap: at small s
 than the collective. `--timing loop` times as nccl-tests does: after one barrier, `8 MiB / size`
 calls (1 to 50) back to back, input not restored between them, their mean: the rate a training
 loop issuing the op sees, and the fairer latency measure. Both modes time every column alike.
+The loop suites below take 10 samples (`--iters 10`, after 2 warm-ups), each already the mean of
+up to 50 calls.
 
 Reading the columns:
 
