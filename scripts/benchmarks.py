@@ -1,7 +1,7 @@
 """Measure the benchmark suites, and generate docs/benchmarks.md and README's summary from them.
 
     python scripts/benchmarks.py measure               # every suite, then render (about 20 min on 2 busy cores)
-    python scripts/benchmarks.py measure ddp all_reduce-loop   # only these suites, then render
+    python scripts/benchmarks.py measure ddp other-ops      # only these suites, then render
     python scripts/benchmarks.py render                # rewrite docs/benchmarks.md and README's summary block
     python scripts/benchmarks.py render --check        # exit 1 if either is out of date with the JSON
     python scripts/benchmarks.py list                  # the suites and their commands
@@ -68,8 +68,11 @@ SUITES: tuple[Suite, ...] = (
           ("--shm", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float32",
            "--min-bytes", "4K", "--max-bytes", "256M")),
     Suite("all_reduce-loop", "collectives.bench",
-          ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4",
-           "--dtypes", "float32,float16,bfloat16", "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
+          ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float32",
+           "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
+    Suite("all_reduce-half", "collectives.bench",
+          ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float16,bfloat16",
+           "--min-bytes", "1M", "--max-bytes", "64M", "--iters", "10")),
     Suite("other-ops", "collectives.bench",
           ("--shm", "--ops", _OTHER_OPS, "--world-sizes", "2,4", "--min-bytes", "1M", "--max-bytes", "16M")),
     Suite("other-ops-loop", "collectives.bench",
@@ -168,13 +171,12 @@ def _ratio_range(values: list[float]) -> str:
     return f"{low:.2f}×" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}×"
 
 
-def collectives_table(record: dict[str, Any], cpu: bool = False,
-                      keep: Callable[[dict[str, Any]], bool] = lambda row: True) -> str:
+def collectives_table(record: dict[str, Any], cpu: bool = False) -> str:
     """A ``collectives.bench`` run as the bench prints it (its own header and row formatter)."""
     args = BY_NAME[record["suite"]].args
     flags = {"cpu": cpu, "check_cost": "--check-cost" in args, "shm": "--shm" in args}
     lines = [collectives_bench.header(**flags)]
-    lines += [collectives_bench.format_row(row, **flags) for row in record["result"] if keep(row)]
+    lines += [collectives_bench.format_row(row, **flags) for row in record["result"]]
     return _code("\n".join(lines))
 
 
@@ -200,18 +202,22 @@ def digest(record: dict[str, Any]) -> str:
     return "Speed against torch's gloo (busbw ratio, min–max over the sizes):\n\n" + "\n".join(bullets)
 
 
-def cpu_bound(record: dict[str, Any], nbytes: int) -> str:
-    """A table of each variant's CPU per call against its wall time, for the rows of ``nbytes``."""
-    cores = record["machine"]["cores"]
+def cpu_profile(records: list[dict[str, Any]], nbytes: int, dtypes: tuple[str, ...]) -> str:
+    """The ``nbytes`` rows of ``dtypes`` in ``records`` (``--shm`` runs) with their CPU columns, then a
+    table of each variant's CPU per call against the floor it sets on the wall time."""
+    rows = sorted((row for record in records for row in record["result"]
+                   if row["bytes"] == nbytes and row["dtype"] in dtypes),
+                  key=lambda row: (row["world_size"], dtypes.index(row["dtype"])))
+    flags = {"cpu": True, "check_cost": False, "shm": True}
+    bench_rows = "\n".join([collectives_bench.header(**flags)] + [collectives_bench.format_row(r, **flags) for r in rows])
+    cores = records[0]["machine"]["cores"]
     lines = [f"| ranks | dtype | variant | CPU ms per rank per call | ranks × CPU / {cores} cores, ms | wall ms |",
              "|---:|---|---|---:|---:|---:|"]
-    for row in record["result"]:
-        if row["bytes"] != nbytes:
-            continue
+    for row in rows:
         for variant, label in (("torch", "torch (gloo)"), ("wire", "wire"), ("ours", "ours (p2p)"), ("shm", "shm")):
             n, used, wall = row["world_size"], row[f"{variant}_cpu_ms"], row[f"{variant}_us"] / 1e3
             lines.append(f"| {n} | {row['dtype']} | {label} | {used:.1f} | {n * used / cores:.1f} | {wall:.1f} |")
-    return "\n".join(lines)
+    return _code(bench_rows) + "\n\n" + "\n".join(lines)
 
 
 def ddp_table(record: dict[str, Any]) -> str:
@@ -313,7 +319,8 @@ _CPU = """\
 When more ranks than cores run, a collective is CPU-bound: each rank's gloo I/O thread, the
 kernel's socket copies, the shared-memory copies and the reductions compete for the same cores,
 and a call cannot take less wall time than the CPU of all ranks divided by the cores. The 32 MiB
-rows of the loop run above, with the CPU each variant used per call (from the same JSON):"""
+float32 and float16 rows of the two loop runs above, with the CPU each variant used per call
+(from the same JSON):"""
 
 _CPU_AFTER = """\
 The wire row moves the same messages as ours with no arithmetic; ours adds the reductions (a
@@ -376,29 +383,23 @@ _DDP_P2P = """\
 The same on the `p2p` backend (our ring over gloo point-to-point), no comm hook:"""
 
 
-def _power_of_four(row: dict[str, Any]) -> bool:
-    """Every other size of a doubling sweep from 4 KiB: 4K, 16K, 64K, ..."""
-    return (row["bytes"].bit_length() - 1) % 2 == 0
-
-
 def render_page(data: dict[str, dict[str, Any]]) -> str:
     """docs/benchmarks.md from the stored measurements."""
     barrier_skew = lambda record: f"Barrier exit skew: {skew(record)}."  # noqa: E731
-    cpu_rows = lambda row: row["bytes"] == 32 << 20 and row["dtype"] != "bfloat16"  # noqa: E731
-    loop = data.get("all_reduce-loop")
+    loops = [data[name] for name in ("all_reduce-loop", "all_reduce-half") if name in data]
     parts = [
         _INTRO,
         _COLLECTIVES,
         _ALL_REDUCE,
         "### float32, per call (barrier timing)",
         section(data, "all_reduce", barrier_skew, digest, collectives_table),
-        "### float32, float16, bfloat16, back to back (loop timing)",
-        section(data, "all_reduce-loop", digest,
-                lambda record: "Every other size (4K, 16K, 64K, ...) is shown; the JSON holds all of them.",
-                lambda record: collectives_table(record, keep=_power_of_four)),
+        "### float32, back to back (loop timing)",
+        section(data, "all_reduce-loop", digest, collectives_table),
+        "### float16 and bfloat16, back to back (loop timing)",
+        section(data, "all_reduce-half", digest, collectives_table),
         _CPU,
-        collectives_table(loop, cpu=True, keep=cpu_rows) + "\n\n" + cpu_bound(loop, 32 << 20)
-        if loop else "*Not measured yet: run `python scripts/benchmarks.py measure all_reduce-loop`.*",
+        cpu_profile(loops, 32 << 20, ("float32", "float16")) if len(loops) == 2
+        else "*Not measured yet: run `python scripts/benchmarks.py measure all_reduce-loop all_reduce-half`.*",
         _CPU_AFTER,
         _OTHER,
         "### Per call (barrier timing)",
