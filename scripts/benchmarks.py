@@ -1,7 +1,7 @@
 """Measure the benchmark suites, and generate docs/benchmarks.md and README's summary from them.
 
     python scripts/benchmarks.py measure               # every suite, then render (about 20 min on 2 busy cores)
-    python scripts/benchmarks.py measure ddp other-ops      # only these suites, then render
+    python scripts/benchmarks.py measure ddp other-ops # only these suites, then render
     python scripts/benchmarks.py render                # rewrite docs/benchmarks.md and README's summary block
     python scripts/benchmarks.py render --check        # exit 1 if either is out of date with the JSON
     python scripts/benchmarks.py list                  # the suites and their commands
@@ -117,9 +117,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def measure(suites: Iterable[Suite], out_dir: Path = DATA) -> None:
-    """Run each suite's command and store its JSON, wrapped with how it was made, in ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def measure(suites: Iterable[Suite]) -> None:
+    """Run each suite's command and store its JSON, wrapped with how it was made, in docs/bench/."""
+    DATA.mkdir(parents=True, exist_ok=True)
     made_at = commit()  # once: the files written below must not make the next suite "dirty"
     for suite in suites:
         print(f"== {suite.name}: {suite.command}", flush=True)
@@ -139,13 +139,13 @@ def measure(suites: Iterable[Suite], out_dir: Path = DATA) -> None:
                 raise SystemExit(f"{suite.command} exited with status {status}; docs/bench/{suite.name}.json kept as it was")
             record["seconds"] = round(time.monotonic() - started, 1)
             record["result"] = json.loads(out.read_text())
-        (out_dir / f"{suite.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (DATA / f"{suite.name}.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"== {suite.name}: {record['seconds']:.0f} s", flush=True)
 
 
-def load(data_dir: Path = DATA) -> dict[str, dict[str, Any]]:
+def load() -> dict[str, dict[str, Any]]:
     """The stored measurements by suite name (suites never measured are absent)."""
-    return {s.name: json.loads(path.read_text()) for s in SUITES if (path := data_dir / f"{s.name}.json").exists()}
+    return {s.name: json.loads(path.read_text()) for s in SUITES if (path := DATA / f"{s.name}.json").exists()}
 
 
 # ---------------------------------------------------------------------------- render: pieces
@@ -426,7 +426,7 @@ def suites_table(data: dict[str, dict[str, Any]]) -> str:
         when = (f"`{record['commit']}` | {record['seconds']:.0f}") if record else "not measured | -"
         lines.append(f"| [{suite.name}](bench/{suite.name}.json) | `{suite.command}` | {when} |")
     total = sum(r["seconds"] for r in data.values())
-    lines += ["", f"`python scripts/benchmarks.py measure` ran these in {total / 60:.0f} minutes in all."]
+    lines += ["", f"The suites took {total / 60:.0f} minutes in all (the sum of the seconds above)."]
     return "\n".join(lines)
 
 
@@ -456,9 +456,11 @@ def render_summary(data: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {label} | {theirs['step_ms']:.1f} ms | {ours['step_ms']:.1f} ms | {ours['speed_vs_torch']:.2f}× |")
     m = loop["machine"]
     lines += ["", f"Time per call (all_reduce: `--timing loop`, nccl-tests style) or per training step (DDP: "
-                  f"median of the slowest rank); measured {loop['date']} at commit `{loop['commit']}` on {m['cpu']} "
-                  f"({m['cores']} cores), torch {m['torch']}, with `{loop['command']}` and `{ddp['command']}`. "
-                  "Every table, with the commands to reproduce it: [docs/benchmarks.md](docs/benchmarks.md)."]
+                  f"median of the slowest rank) on {m['cpu']} ({m['cores']} cores), torch {m['torch']}. all_reduce: "
+                  f"`{loop['command']}`, {loop['date']}, commit `{loop['commit']}`, load average "
+                  f"{loop['load_average']:g}; DDP: `{ddp['command']}`, {ddp['date']}, commit `{ddp['commit']}`, "
+                  f"load average {ddp['load_average']:g}. Every table, with the commands to reproduce it: "
+                  "[docs/benchmarks.md](docs/benchmarks.md)."]
     return "\n".join(lines)
 
 
@@ -470,23 +472,22 @@ def with_summary(readme: str, summary: str) -> str:
     return readme[: start + len(SUMMARY_START)] + "\n" + summary + "\n" + readme[end:]
 
 
-def outputs(data_dir: Path = DATA) -> dict[Path, str]:
+def outputs() -> dict[Path, str]:
     """Every generated file and the text it should hold."""
-    data = load(data_dir)
+    data = load()
     return {PAGE: render_page(data), README: with_summary(README.read_text(), render_summary(data))}
 
 
 def render(check: bool) -> int:
-    stale = [path for path, text in outputs().items() if not path.exists() or path.read_text() != text]
-    if check:
-        for path in stale:
+    """Write the generated files that differ from their sources, or with ``check`` only report them (exit 1)."""
+    stale = {path: text for path, text in outputs().items() if not path.exists() or path.read_text() != text}
+    for path, text in stale.items():
+        if check:
             print(f"{path.relative_to(ROOT)} is out of date: run python scripts/benchmarks.py render", file=sys.stderr)
-        return 1 if stale else 0
-    for path, text in outputs().items():
-        if path in stale:
+        else:
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
-    return 0
+    return 1 if check and stale else 0
 
 
 def main(argv: list[str] | None = None) -> int:
