@@ -383,6 +383,12 @@ def format_row(r: dict, cpu: bool = False, check_cost: bool = False, shm: bool =
 MODEL_HEADER = f" | {'algorithm':<18}{'model us':>10}{'/ours':>7}"
 
 
+def header(cpu: bool = False, check_cost: bool = False, shm: bool = False, model: bool = False) -> str:
+    """The column titles above :func:`format_row`'s rows printed with the same flags."""
+    return (HEADER + (CPU_HEADER if cpu else "") + (CHECK_HEADER if check_cost else "")
+            + (SHM_HEADER if shm else "") + (MODEL_HEADER if model else ""))
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -478,8 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(reason or f"--hosts {args.hosts}: every world size must be a multiple of it")
     if args.shm and (device_type_of(args.backend) != "cpu" or args.hosts):
         p.error("--shm compares CPU backends on one host: use it with a CPU --backend and no --hosts")
-    print(HEADER + (CPU_HEADER if args.cpu else "") + (CHECK_HEADER if args.check_cost else "")
-          + (SHM_HEADER if args.shm else "") + (MODEL_HEADER if args.model else ""))
+    print(header(args.cpu, args.check_cost, args.shm, args.model))
     for n in world_sizes:
         job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
                args.model, args.check_cost, args.shm, args.timing)

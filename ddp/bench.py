@@ -465,6 +465,17 @@ _COLUMNS = (
 )  # fmt: skip
 
 
+def title(summary: dict[str, Any]) -> str:
+    """One line above :func:`format_table`: ranks, threads, model, batch, rounds and the run's seconds."""
+    cfg = summary["config"]
+    return (
+        f"{cfg['world_size']} ranks x {summary['threads_per_rank']} thread(s), {cfg['layers']} x Linear({cfg['width']}) "
+        f"({summary['params'] / 1e6:.1f} M params), batch {cfg['batch']}/rank, "
+        f"{cfg['rounds']} rounds x {cfg['steps']} steps per variant, medians in ms ({summary['seconds']:.0f} s)"
+        + (", gradient_as_bucket_view=True" if cfg["grad_view"] else "")
+    )
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """The summary as a fixed-width table, one row per variant."""
 
@@ -604,12 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(message)s")
     summary = run(cfg, log_level=level)
-    print(
-        f"{cfg.world_size} ranks x {summary['threads_per_rank']} thread(s), {cfg.layers} x Linear({cfg.width}) "
-        f"({summary['params'] / 1e6:.1f} M params), batch {cfg.batch}/rank, "
-        f"{cfg.rounds} rounds x {cfg.steps} steps per variant, medians in ms ({summary['seconds']:.0f} s)"
-        + (", gradient_as_bucket_view=True" if cfg.grad_view else "")
-    )
+    print(title(summary))
     print(format_table(summary))
     print("async return (µs to return from an async 4 KiB all_reduce, median; idle / behind a 16 MiB one): "
           + "; ".join(f"{name} {v['idle_us']:.0f} / {v['busy_us']:.0f}" for name, v in summary["async_return_us"].items()))

@@ -65,7 +65,7 @@ MISSING: dict[str, str] = {
     "rpc": _RPC,
     "autograd": _RPC,
     "remote_device": _RPC,
-    "algorithms": "DDP communication hooks and `Join`: the `ddp` package has its own (see README)",
+    "algorithms": "DDP communication hooks and `Join`: the `ddp` package has its own (see docs/ddp.md)",
     "GroupName": "type alias of torch internals",
     "RankType": "type alias of torch internals",
     "ProcessGroupGloo": "torch's gloo backend class: our `p2p` backend uses it underneath, as a wire",

@@ -538,8 +538,9 @@ def named_mismatches_detail(rank, world_size):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["p2p", "shm"])
 def test_detail_catches_every_named_mismatch_and_the_group_survives(monkeypatch, backend):
-    """README: at DETAIL a mismatched call raises on every rank and the group stays usable; that
-    includes what only the wire header compares (algorithm, Tuning, all-to-all bytes per peer)."""
+    """docs/debugging.md: at DETAIL a mismatched call raises on every rank and the group stays
+    usable; that includes what only the wire header compares (algorithm, Tuning, all-to-all bytes
+    per peer)."""
     monkeypatch.setenv("RINGDDP_DEBUG", "DETAIL")
     results = collectives.launch(named_mismatches_detail, 2, backend=backend, timeout=20.0, join_timeout=150)
     for rank, (outcomes, healthy) in enumerate(results):
