@@ -447,18 +447,31 @@ def render_summary(data: dict[str, dict[str, Any]]) -> str:
     summary = ddp["result"]
     cfg = summary["config"]
     rows = {(r["kind"], r["comm_hook"], r["bucket_mb"]): r for r in summary["rows"]}
-    lines += ["", f"| DDP step, {cfg['layers']} × Linear({cfg['width']}), {cfg['world_size']} ranks | torch DDP (gloo) | "
-                  f"ringddp DDP (`shm`, 25 MiB buckets) | speed-up |",
+    lines += ["", f"| step, {cfg['layers']} × Linear({cfg['width']}), {cfg['world_size']} ranks | torch's, on gloo | "
+                  "torch's, on `ringddp` | ringddp DDP (`shm`, 25 MiB buckets) |",
               "|---|---:|---:|---:|"]
-    for hook, label in (("none", "no comm hook"), ("fp16", "fp16 compression hook")):
-        theirs, ours = rows.get(("torch", hook, None)), rows.get(("ours", hook, 25.0))
-        if theirs and ours:
-            lines.append(f"| {label} | {theirs['step_ms']:.1f} ms | {ours['step_ms']:.1f} ms | {ours['speed_vs_torch']:.2f}× |")
+
+    def cell(kind: str, hook: str, bucket_mb: float | None = None) -> str:
+        row = rows.get((kind, hook, bucket_mb))
+        if row is None:
+            return "—"
+        vs = "" if kind in ("torch", "fsdp2") else f" ({row['speed_vs_torch']:.2f}×)"
+        return f"{row['step_ms']:.1f} ms{vs}"
+
+    for hook, label in (("none", "DDP, no comm hook"), ("fp16", "DDP, fp16 compression hook")):
+        lines.append(f"| {label} | {cell('torch', hook)} | {cell('torch-ringddp', hook)} | {cell('ours', hook, 25.0)} |")
+    lines.append(f"| FSDP2 (`fully_shard` per layer) | {cell('fsdp2', 'none')} | {cell('fsdp2-ringddp', 'none')} | — |")
+    async_us = summary.get("async_return_us")
+    if async_us:
+        lines.append(f"| returning from an async 4 KiB all_reduce (idle / busy) | {async_us['gloo']['idle_us']:.0f} / "
+                     f"{async_us['gloo']['busy_us']:.0f} µs | {async_us['ringddp']['idle_us']:.0f} / "
+                     f"{async_us['ringddp']['busy_us']:.0f} µs | — |")
     m = loop["machine"]
     lines += ["", f"Time per call (all_reduce: `--timing loop`, nccl-tests style) or per training step (DDP: "
                   f"median of the slowest rank) on {m['cpu']} ({m['cores']} cores), torch {m['torch']}. all_reduce: "
                   f"`{loop['command']}`, {loop['date']}, commit `{loop['commit']}`, load average "
-                  f"{loop['load_average']:g}; DDP: `{ddp['command']}`, {ddp['date']}, commit `{ddp['commit']}`, "
+                  f"{loop['load_average']:g}; DDP/FSDP2 (× = speed against the same on gloo): `{ddp['command']}`, "
+                  f"{ddp['date']}, commit `{ddp['commit']}`, "
                   f"load average {ddp['load_average']:g}. Every table, with the commands to reproduce it: "
                   "[docs/benchmarks.md](docs/benchmarks.md)."]
     return "\n".join(lines)
