@@ -74,7 +74,10 @@ class _flat:
 
     def __init__(self, t: torch.Tensor, write_back: bool = True):
         self.tensor, self.write_back = t, write_back
-        self.flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        if t.is_contiguous():
+            self.flat = t if t.dim() == 1 else t.view(-1)  # a view costs a torch call (~1 µs)
+        else:
+            self.flat = t.contiguous().view(-1)
 
     def __enter__(self) -> torch.Tensor:
         return self.flat

@@ -91,6 +91,7 @@ matching sizes between each pair), and ``n >= 2`` for the per-peer slots.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Callable, Mapping, Sequence
 
@@ -158,8 +159,10 @@ def _at_least_one(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return pieces or [(0, 0)]
 
 
-def _signature(name: str, numel: int, dtype: torch.dtype, *extra: object) -> int:
-    """An int naming a call, equal on ranks that made the same call (``hash`` varies per process)."""
+@functools.lru_cache(maxsize=1024)
+def _signature(name: str, numel: int | tuple[int, ...], dtype: torch.dtype, *extra: object) -> int:
+    """An int naming a call, equal on ranks that made the same call (``hash`` varies per process).
+    Cached: a training loop repeats a few calls."""
     return zlib.crc32(f"{name}:{numel}:{dtype}:{extra}".encode())
 
 
@@ -216,7 +219,7 @@ def reduce_scatter(regions: SharedRegions, out: torch.Tensor, ins: Sequence[torc
     """
     n, r = regions.world_size, regions.rank
     longest = max(t.numel() for t in ins)
-    signature = _signature("reduce_scatter", [t.numel() for t in ins], out.dtype, op)
+    signature = _signature("reduce_scatter", tuple(t.numel() for t in ins), out.dtype, op)
     for lo, hi in _pieces(longest, regions.piece_bytes // out.element_size() // n):
         k = hi - lo
         h = regions.begin_piece(signature)
@@ -240,7 +243,7 @@ def all_gather(regions: SharedRegions, outs: Sequence[torch.Tensor], inp: torch.
     rank), and ``inp`` may be ``outs[r]`` itself."""
     n, r = regions.world_size, regions.rank
     own = None if outs[r].data_ptr() == inp.data_ptr() else (outs[r], inp)
-    signature = _signature("all_gather", [o.numel() for o in outs], inp.dtype)
+    signature = _signature("all_gather", tuple(o.numel() for o in outs), inp.dtype)
     if _single_copy(regions, "all_gather", max(o.numel() for o in outs) * inp.element_size()):
         peers = [q for q in range(n) if q != r]
         _exchange_directly(regions, signature, {q: inp for q in peers}, {q: outs[q] for q in peers}, own)

@@ -38,6 +38,14 @@ from .errors import CollectiveTimeoutError, timeout_seconds
 
 log = logging.getLogger(__name__)
 
+_thread_role = threading.local()
+
+
+def on_communication_thread() -> bool:
+    """Whether this thread is a group's communication thread (it runs async collectives in the
+    background, so its waits should give the core to the caller's compute soon)."""
+    return getattr(_thread_role, "background", False)
+
 
 class Work:
     """Handle of a collective started with ``async_op=True`` (like torch's ``Work``).
@@ -51,7 +59,9 @@ class Work:
     def __init__(self, name: str, result: list[torch.Tensor] | None = None):
         self.name = name
         self._result = [] if result is None else list(result)
-        self._done = threading.Event()
+        self._done = False
+        self._ready = threading.Lock()  # held until the work is done: waiting is acquiring it
+        self._ready.acquire()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._future: torch.futures.Future | None = None
@@ -63,18 +73,20 @@ class Work:
         ``timeout`` (seconds or timedelta) bounds this wait only; the collective's own
         communication deadline (the group's timeout) applies regardless.
         """
-        seconds = timeout_seconds(timeout)
-        if not self._done.wait(seconds):
-            raise CollectiveTimeoutError(f"{self.name}: Work.wait timed out after {seconds}s", op=self.name)
+        if not self._done:
+            seconds = timeout_seconds(timeout)
+            if not self._ready.acquire(timeout=-1 if seconds is None else seconds):  # releases the GIL
+                raise CollectiveTimeoutError(f"{self.name}: Work.wait timed out after {seconds}s", op=self.name)
+            self._ready.release()  # for the next waiter
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._done and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -102,7 +114,7 @@ class Work:
                 return self._future
             signal = self._signal = torch.futures.Future()
             future = self._future = signal.then(self._outcome)
-            done = self._done.is_set()
+            done = self._done
         if done:  # finished before anyone asked: complete here (else finish does)
             signal.set_result(None)
         return future
@@ -118,8 +130,9 @@ class Work:
         the group's queue when the collective has run (not by users)."""
         with self._lock:
             self._error = error
-            self._done.set()
+            self._done = True
             signal = self._signal
+        self._ready.release()
         if signal is not None:  # outside the lock: callbacks may call get_future() again
             signal.set_result(None)
 
@@ -130,8 +143,9 @@ class Executor:
     def __init__(self, name: str):
         self._name = name
         self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._busy = False
+        self._sleeping = False  # the communication thread waits on _cond for work
         self._thread: threading.Thread | None = None
         self._closed = False
         self._owner: threading.Thread | None = None  # the thread whose calls are queued or running
@@ -194,7 +208,8 @@ class Executor:
             if not nested:
                 with self._cond:
                     self._busy = False
-                    self._cond.notify_all()
+                    if self._queue and self._sleeping:
+                        self._cond.notify()
 
     def _enqueue(self, work: Work, fn: Callable[[], None]) -> None:
         with self._cond:
@@ -203,7 +218,8 @@ class Executor:
             self._check_thread(work.name)
             self._queue.append((work, fn))
             self._ensure_thread()
-            self._cond.notify_all()
+            if self._sleeping:  # waking a blocked thread is a system call: only when it sleeps
+                self._cond.notify()
 
     def _check_thread(self, op_name: str) -> None:
         """Refuse a call from a second thread while another thread's calls are pending (see the module doc)."""
@@ -225,10 +241,13 @@ class Executor:
             self._thread.start()
 
     def _loop(self) -> None:
+        _thread_role.background = True
         while True:
             with self._cond:
                 while not self._closed and (self._busy or not self._queue):
+                    self._sleeping = True
                     self._cond.wait()
+                    self._sleeping = False
                 if self._closed and not self._queue:
                     return
                 work, fn = self._queue.popleft()
@@ -242,7 +261,6 @@ class Executor:
             finally:
                 with self._cond:
                     self._busy = False
-                    self._cond.notify_all()
 
     def close(self) -> None:
         """Finish what is queued, then stop the thread."""

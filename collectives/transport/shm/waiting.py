@@ -1,9 +1,15 @@
 """Waiting for the peers: spin, then sleep on the sockets; wake sleepers; notice dead peers.
 
-Ranks may outnumber cores (4 ranks on 2 cores), so a waiter spins only briefly
-(``spin_seconds``: 300 µs when every rank has a core, the first 50 µs without yielding it; else
-50 µs yielding the core each turn), then writes the events it waits for into its ``sleeping``
-word, fences, checks again and blocks in ``poll`` on its sockets to the peers. Whoever publishes
+A waiter spins on the control block for a bounded time, then writes the events it waits for
+into its ``sleeping`` word, fences, checks again and blocks in ``poll`` on its sockets to the
+peers (``poll`` releases the GIL). How long it spins depends on who waits: a caller running a
+blocking collective on its own thread has nothing else to do, and a peer that left a barrier a
+few hundred µs later should find it awake (``spin_seconds``: 1 ms when every rank has a core, the
+first 50 µs without yielding it; with more ranks than cores 50 µs, yielding the core each turn,
+since the peer may need it); a group's communication thread, which runs async collectives while
+the caller computes (DDP's buckets during backward), spins 20 µs yielding each turn (the yield
+releases the GIL) and then sleeps, so its waits take neither the core nor the GIL from the
+compute. Whoever publishes
 a counter fences, reads the peers' ``sleeping`` words and writes one byte to the socket of each
 peer asleep on that event (the Dekker pattern: store, fence, load the other side's word, on both
 sides). A sleeping waiter costs its peers a system call and itself a wake-up (on a VM about
@@ -24,24 +30,27 @@ import time
 from typing import Callable, Iterable
 
 from ...errors import CollectiveError, CollectiveTimeoutError
+from ...work import on_communication_thread
 from ..base import Peer, Transport
 from .control import SLEEPING, fence
 from .segment import Segments
 
 BUSY_SPIN = 50e-6  # seconds a waiter with a core of its own spins without yielding
+BACKGROUND_SPIN = 20e-6  # seconds a communication thread spins (yielding) before it sleeps
 
 
 def spin_times(spin_seconds: float | None, world_size: int) -> tuple[float, float]:
     """How long a waiter spins before it sleeps, and for how much of that it keeps its core.
 
-    With a core per rank: ``spin_seconds`` (default 300 µs), the first :data:`BUSY_SPIN`
+    With a core per rank: ``spin_seconds`` (default 1 ms), the first :data:`BUSY_SPIN`
     without yielding (the peer is about to publish; ``sched_yield`` hands the core to any
     other runnable thread for up to its time slice), then yielding (other threads, e.g. gloo's
     I/O, get the core). With more ranks than cores: 50 µs by default, yielding from the start
-    (the peer we wait for may need our core).
+    (the peer we wait for may need our core). These are the caller's; a communication thread
+    spins :data:`BACKGROUND_SPIN`, yielding.
     """
     own_core = world_size <= len(os.sched_getaffinity(0))
-    spin = spin_seconds if spin_seconds is not None else (300e-6 if own_core else 50e-6)
+    spin = spin_seconds if spin_seconds is not None else (1e-3 if own_core else 50e-6)
     return spin, min(spin, BUSY_SPIN) if own_core else 0.0
 
 
@@ -111,8 +120,10 @@ class Waiter:
         if ready():
             return
         now = time.perf_counter()
-        spin_until = now + self._spin
-        busy_until = now + self._busy_spin
+        if on_communication_thread():
+            spin_until, busy_until = now + BACKGROUND_SPIN, now
+        else:
+            spin_until, busy_until = now + self._spin, now + self._busy_spin
         while (now := time.perf_counter()) < spin_until:
             if now >= busy_until:
                 os.sched_yield()
