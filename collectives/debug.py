@@ -71,10 +71,18 @@ def signature(
     """``uneven``: ranks may legitimately pass different sizes (all-to-all); numel and shape are not compared."""
     if tensor is None:
         return Signature(name, "-", 0, (), "-", root, 0)
-    numel = tensor.numel()
+    return _signature(name, tensor.dtype, tensor.shape, op, root, uneven)
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(
+    name: str, dtype: torch.dtype, shape: torch.Size, op: ReduceOp | None, root: int, uneven: bool
+) -> Signature:
+    """Signatures are immutable: a training loop's repeated calls reuse one."""
+    numel = shape.numel()
     return Signature(
-        name, str(tensor.dtype), -1 if uneven else numel, () if uneven else tuple(tensor.shape),
-        op.name if op else "-", root, numel * tensor.element_size(),
+        name, str(dtype), -1 if uneven else numel, () if uneven else tuple(shape),
+        op.name if op else "-", root, numel * dtype.itemsize,
     )  # fmt: skip
 
 

@@ -106,6 +106,7 @@ class Group:
         self._broken: str | None = None
         self._selected: dict[tuple[str, str], Backend] = {}
         self._engines: dict[tuple[str, torch.device], Engine] = {}
+        self._by_device: dict[torch.device, Engine] = {}  # engine(device), once built
 
     @classmethod
     def from_store(
@@ -213,7 +214,10 @@ class Group:
 
         Raises ``ValueError`` (before any traffic) if the backend cannot move such tensors.
         """
-        return self._engine(self._select(self.backend, device.type, op_name), device)
+        engine = self._by_device.get(device)
+        if engine is None:
+            engine = self._by_device[device] = self._engine(self._select(self.backend, device.type, op_name), device)
+        return engine
 
     def metadata_engine(self) -> Engine:
         """The CPU engine for small metadata (debug checks), whatever device payloads live on."""
@@ -335,6 +339,7 @@ class Group:
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()
+        self._by_device.clear()
 
 
 def own_connection(store: dist.Store) -> dist.Store:
@@ -514,6 +519,8 @@ def member(group: Group | NonMember | None, op_name: str) -> Group | None:
     """The group a call runs on, or ``None`` when this rank is not a member: then, as torch does,
     the call warns ``Running <op> on global rank <r> which does not belong to the given group.``
     and does nothing (the caller returns at once)."""
+    if group is None:
+        return get_default_group()
     if is_non_member(group):
         rank = -1 if _world is None else _world.rank()
         warnings.warn(f"Running {op_name} on global rank {rank} which does not belong to the given group.", stacklevel=3)

@@ -34,3 +34,15 @@ class Tuning:
     chain_bytes: int = 64 << 20
     segment_bytes: int = 4 << 20
     depth: int = 4
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "_key", None)  # key() is computed again on next use
+
+    def key(self) -> tuple[int, ...]:
+        """The field values as a tuple (what the wire check hashes), kept until a field changes."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+            object.__setattr__(self, "_key", key)
+        return key

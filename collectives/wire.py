@@ -171,7 +171,7 @@ def header(
     sends, recvs = (tuple(sizes[0]), tuple(sizes[1])) if sizes is not None else (None, None)
     exchange = (debug.level() if level is None else level) != "OFF"
     return _header(signature.name, signature.dtype, signature.numel, signature.op, signature.root, algorithm,
-                   tuple(vars(tuning).values()), sends, recvs, exchange)  # fmt: skip
+                   tuning.key(), sends, recvs, exchange)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
