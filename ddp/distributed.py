@@ -183,6 +183,7 @@ class DistributedDataParallel(nn.Module):
             self._names.append(name + (f" (= {', '.join(others)})" if others else ""))
         if not self._params:
             log.warning("DistributedDataParallel: the module has no trainable parameters")
+        numel = sum(p.numel() for p in self._params)  # before a sharded wrapper empties them
 
         layout = self._bucket_layout(self._params, bucket_cap_mb, first_bucket_cap_mb)
         self._check_same_layout(self._agreement(self._params, self._names, layout))
@@ -203,7 +204,7 @@ class DistributedDataParallel(nn.Module):
             "%s: %d parameters (%s elements) in %d buckets over %d ranks",
             type(self).__name__,
             len(self._params),
-            f"{sum(p.numel() for p in self._params):,}",
+            f"{numel:,}",
             len(layout),
             self.world_size,
         )
