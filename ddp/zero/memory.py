@@ -26,6 +26,8 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
+from ..distributed import DistributedDataParallel
+
 MiB = 1024 * 1024
 
 
@@ -75,8 +77,8 @@ class MemoryReport:
         grads: gradient storage: ``.grad``, DDP buckets, averaged chunks (ZeRO).
         optimizer: optimizer state (momentum, Adam's moments, step counters).
         params_peak, grads_peak: the held bytes plus the largest transient allocation of the
-            last steps (equal to the held bytes where nothing is transient); ``None`` where
-            unknown (torch's wrappers).
+            steps so far (ZeRO); elsewhere equal to the held bytes (what torch's wrappers allocate
+            inside a step is not seen).
     """
 
     params: int
@@ -117,14 +119,13 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     params: list[Any] = [p.data for p in model.parameters()]
     grads: list[Any] = [p.grad for p in model.parameters()]
     peaks = None
-    describe = getattr(model, "memory_tensors", None)  # ddp.ZeroDataParallel
-    if describe is not None:
-        extra_params, extra_grads, peaks = describe()
+    sharded = getattr(model, "memory_tensors", None)  # ddp.ZeroDataParallel (which imports this module)
+    if sharded is not None:
+        extra_params, extra_grads, peaks = sharded()
         params += extra_params
         grads += extra_grads
-    reducer = getattr(model, "reducer", None)  # ddp.DistributedDataParallel: its all-reduce buckets
-    if reducer is not None and describe is None:
-        grads += [b.buffer for b in reducer.buckets]
+    elif isinstance(model, DistributedDataParallel):  # its all-reduce buckets
+        grads += [b.buffer for b in model.reducer.buckets]
     held_params, held_grads = tensor_bytes(params), tensor_bytes(grads)
     return MemoryReport(
         params=held_params,

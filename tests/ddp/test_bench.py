@@ -96,3 +96,29 @@ def test_comm_hook_list_parsing():
     assert bench._parse_hooks("none,fp16,fp16") == ("none", "fp16")
     with pytest.raises(Exception):
         bench._parse_hooks("none,zip")
+
+
+@pytest.mark.timeout(180)
+def test_bench_zero_rows_traffic_and_memory(tmp_path, capsys):
+    out = tmp_path / "zero.json"
+    argv = [
+        "--world-size", "2", "--width", "64", "--layers", "2", "--batch", "8", "--zero", "1,2,3", "--optimizer", "adam",
+        "--warmup", "0", "--rounds", "1", "--steps", "1", "--timeout", "60", "--quiet", "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) >= {"ours ZeRO-1", "ours ZeRO-2", "ours ZeRO-3", "torch ZeRO-1", "torch FSDP2 ZeRO-2", "torch FSDP2"}
+    mib = 2 * (64 * 64 + 64) * 4 / 2**20  # parameter bytes
+    sent = {name: rows[name]["sent_mib"] / mib for name in rows if rows[name]["sent_mib"] is not None}
+    # the seed's table on a ring of 2: DDP, ZeRO-1 and ZeRO-2 send 2(n-1)/n = 1 x the parameters, ZeRO-3 1.5 x
+    for name in ("ours 25 MB", "ours ZeRO-1", "ours ZeRO-2", "torch DDP", "torch FSDP2 ZeRO-2"):
+        assert sent[name] == pytest.approx(1.0, rel=1e-3), name
+    for name in ("ours ZeRO-3", "torch FSDP2", "torch ZeRO-1"):  # torch's ZeRO-1 broadcasts on top of DDP
+        assert sent[name] == pytest.approx(1.5, rel=1e-3), name
+    memory = {name: rows[name]["memory_mib"] for name in rows}
+    for stage in (1, 2, 3):  # Adam's two moments: half of DDP's at 2 ranks (+ step counters)
+        assert memory[f"ours ZeRO-{stage}"]["optimizer"] <= memory["ours 25 MB"]["optimizer"] / 2 * 1.05
+    assert memory["ours ZeRO-2"]["grads"] == pytest.approx(mib / 2) and memory["ours ZeRO-3"]["params"] == pytest.approx(mib / 2)
+    assert all(r["in_sync"] for r in rows.values() if r["kind"] != "local")
+    assert rows["ours ZeRO-3"]["vs_ddp"] > 0 and rows["torch FSDP2"]["speed_vs_torch"] == pytest.approx(1.0)
+    assert "sent MB" in capsys.readouterr().out
