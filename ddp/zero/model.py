@@ -72,13 +72,13 @@ import dataclasses
 import logging
 import weakref
 import zlib
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
 import collectives
-from collectives import Group, ReduceOp, trace
+from collectives import Group, ReduceOp
 
 from ..bucket import assign_buckets, cap_from_mb
 from ..distributed import DistributedDataParallel
@@ -86,6 +86,7 @@ from ..join import Join
 from ..reducer import CommHook, Reducer
 from .buckets import ShardBucket
 from .memory import PeakTracker
+from .schedule import UnitSchedule, assign_units
 from .units import FlatParams
 
 log = logging.getLogger(__name__)
@@ -228,16 +229,9 @@ class ZeroDataParallel(DistributedDataParallel):
         self_ref = weakref.ref(self)
         for p in module.parameters():
             _owners[id(p)] = (weakref.ref(p), self_ref)
-        # stage 3: what the forward and backward passes of this step did
-        self._order: list[int] = []  # units in the order their forward started (one entry per call)
-        self._last_order: list[int] = []  # the previous forward's: what to prefetch next
-        self._gathers = 0  # crc32 of the units gathered since the last backward pass: ranks must agree
-        self._in_backward = False
-        if stage == 3:
-            for u, module_ in enumerate(self._unit_modules):
-                if module_ is not None:
-                    self._hook_handles.append(module_.register_forward_pre_hook(_unit_hook(self_ref, u, pre=True)))
-                    self._hook_handles.append(module_.register_forward_hook(_unit_hook(self_ref, u, pre=False)))
+        if self.schedule is not None:
+            self._hook_handles += self.schedule.register()
+        self.memory_tracker.reset_peak()  # building the units is no part of a step
 
     # ------------------------------------------------------------------ construction steps
 
@@ -261,7 +255,7 @@ class ZeroDataParallel(DistributedDataParallel):
             first = None if first_bucket_cap_mb is None else cap_from_mb(first_bucket_cap_mb)
             return assign_buckets(sizes, keys, cap_from_mb(bucket_cap_mb), first)
         # stage 3: one bucket per unit holding trainable parameters, latest unit first, root last
-        self._unit_modules, self._unit_members = _assign_units(self.module, self._zero.units)
+        self._unit_modules, self._unit_members = assign_units(self.module, self._zero.units)
         index = {id(p): i for i, p in enumerate(params)}
         layout, self._bucket_units = [], []
         root = len(self._unit_modules) - 1
@@ -283,49 +277,44 @@ class ZeroDataParallel(DistributedDataParallel):
         stage = self._zero.stage
         self.units: list[FlatParams] = []
         self.memory_tracker = PeakTracker()
+        #: stage 3: when units are gathered and freed (``schedule.py``)
+        self.schedule: UnitSchedule | None = None
         if stage == 0:
             return super()._make_reducer(params, names, layout)
         compute = self._mp.param_dtype
-        track_params = lambda delta: self.memory_tracker.add("params", delta)  # noqa: E731
-        track_grads = lambda delta: self.memory_tracker.add("grads", delta)  # noqa: E731
-        bucket_of_unit: dict[int, int] = {}
         if stage in (1, 2):
             for b, idx in enumerate(layout):
                 self.units.append(
                     FlatParams(b, [params[i] for i in idx], [names[i] for i in idx], self.process_group,
                                compute_dtype=compute, resident=True)
                 )  # fmt: skip
-            unit_of_bucket = list(range(len(layout)))
+            #: the unit each bucket reduces into
+            self._bucket_flat = list(self.units)
         else:
-            self._unit_index: list[int | None] = []  # unit number -> index in self.units
+            flats: list[FlatParams | None] = []
             for u, members in enumerate(self._unit_members):
-                if not members:
-                    self._unit_index.append(None)
-                    continue
-                self._unit_index.append(len(self.units))
-                self.units.append(
+                flats.append(
                     FlatParams(u, [p for _, p in members], [n for n, _ in members], self.process_group,
-                               compute_dtype=compute, resident=False, memory=track_params)
+                               compute_dtype=compute, resident=False,
+                               memory=lambda delta: self.memory_tracker.add("params", delta))
+                    if members else None
                 )  # fmt: skip
-            unit_of_bucket = [self._unit_index[u] for u in self._bucket_units]
-        for b, uix in enumerate(unit_of_bucket):
-            bucket_of_unit[uix] = b
+            self.units = [f for f in flats if f is not None]
+            self._bucket_flat = [flats[u] for u in self._bucket_units]  # type: ignore[misc]
+            self.schedule = UnitSchedule(self._unit_modules, flats, self.process_group, self._zero.prefetch)
 
         def make_bucket(b: int, idx: list[int]) -> ShardBucket:
-            unit = self.units[unit_of_bucket[b]]
+            unit = self._bucket_flat[b]
             position = {id(p): k for k, p in enumerate(unit.params)}
-            frozen = any(not p.requires_grad for p in unit.params)
-            is_root = stage == 3 and self._unit_modules[unit.index] is None
+            # stage 3: once a unit's last gradient is in, free its weights, unless a frozen one
+            # may still be needed by the backward pass, or it is the root: both wait for the end
+            early = stage == 3 and all(p.requires_grad for p in unit.params) and self._unit_modules[unit.index] is not None
             return ShardBucket(
                 b, idx, params, names, unit.layout, [position[id(params[i])] for i in idx], self.process_group,
                 reduce_dtype=self._reduce_dtype(params[idx[0]]), grad_dtype=unit.master_dtype, keep_buffer=stage == 1,
-                # stage 3: a unit's last gradient is in: free its weights (unless a frozen weight may
-                # still be needed by the backward pass, or it is the root: both wait for the end)
-                on_start=unit.release if stage == 3 and not frozen and not is_root else None,
-                memory=track_grads,
+                on_start=unit.release if early else None, memory=lambda delta: self.memory_tracker.add("grads", delta),
             )  # fmt: skip
 
-        self._bucket_of_unit = bucket_of_unit
         return Reducer(
             params, names, layout, self.process_group, find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=False, make_bucket=make_bucket, retire_early=stage >= 2,
@@ -338,22 +327,15 @@ class ZeroDataParallel(DistributedDataParallel):
         mp = self._mp
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
-        if self.stage != 3:
+        if self.schedule is None:
             return super().forward(*args, **kwargs)
-        if self._in_backward:
-            raise RuntimeError("ZeroDataParallel: forward called during a backward pass; not supported at stage 3")
-        self._order = []
-        root = self._root()
-        if root is not None:
-            self._gather(root)
+        self.schedule.begin_forward()
         try:
             out = super().forward(*args, **kwargs)
         except BaseException:
-            self._release_all()
+            self.schedule.release_all()
             raise
-        self._last_order = self._order
-        if not self._hook_backward(out, self._root_number, None):
-            self._release_all()  # no backward will follow (eval, no_grad): free now
+        self.schedule.end_forward(out)
         return out
 
     def _check_parameters(self) -> None:
@@ -367,96 +349,13 @@ class ZeroDataParallel(DistributedDataParallel):
                 "wrapper and the optimizer again"
             )
 
-    # ------------------------------------------------------------------ stage 3: units
-
-    @property
-    def _root_number(self) -> int:
-        return len(self._unit_modules) - 1
-
-    def _root(self) -> FlatParams | None:
-        uix = self._unit_index[self._root_number]
-        return None if uix is None else self.units[uix]
-
-    def _unit(self, u: int) -> FlatParams | None:
-        uix = self._unit_index[u]
-        return None if uix is None else self.units[uix]
-
-    def _gather(self, unit: FlatParams, async_op: bool = False) -> None:
-        if not unit.gathered and not unit.gathering:
-            self._gathers = zlib.crc32(unit.index.to_bytes(4, "little"), self._gathers)
-        unit.gather(async_op)
-
-    def _release_all(self) -> None:
-        for unit in self.units:
-            unit.release()
-
-    def _on_unit(self, u: int, pre: bool, output: Any = None) -> None:
-        """A unit's forward starts (``pre``) or ends."""
-        unit = self._unit(u)
-        if pre:
-            call = len(self._order)
-            self._order.append(u)
-            if unit is not None:
-                self._gather(unit)
-            if self._zero.prefetch and call + 1 < len(self._last_order):
-                nxt = self._unit(self._last_order[call + 1])
-                if nxt is not None:
-                    self._gather(nxt, async_op=True)
-            return
-        if unit is not None:
-            unit.release()
-        self._hook_backward(output, u, len(self._order) - 1)
-
-    def _hook_backward(self, output: Any, u: int, call: int | None) -> bool:
-        """Gather unit ``u`` when the gradient of its output arrives; False if none will."""
-        if not torch.is_grad_enabled():
-            return False
-        tensors = [t for t in _tensors(output) if t.requires_grad]
-        self_ref = weakref.ref(self)
-
-        def hook(grad: torch.Tensor) -> None:
-            model = self_ref()
-            if model is not None:
-                model._pre_backward(u, call)
-
-        for t in tensors:
-            t.register_hook(hook)
-        return bool(tensors)
-
-    def _pre_backward(self, u: int, call: int | None) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
-        unit = self._unit(u)
-        if unit is not None:
-            self._gather(unit)
-        if self._zero.prefetch and call:  # backward runs the forward order backwards
-            before = self._unit(self._order[call - 1])
-            if before is not None:
-                self._gather(before, async_op=True)
-
-    def _post_backward(self) -> None:
-        """End of a backward pass (stage 3): free every unit; check that all ranks gathered alike."""
-        self._in_backward = False
-        self._release_all()
-        mine, self._gathers = self._gathers, 0
-        check = torch.tensor([mine, -mine], dtype=torch.int64, device=self.units[0].device if self.units else None)
-        collectives.all_reduce(check, ReduceOp.MAX, group=self.process_group)
-        if int(check[0]) != -int(check[1]):
-            raise RuntimeError(
-                "ZeroDataParallel: the ranks gathered different units in this step (a unit ran on some ranks "
-                "only, or in another order): their all-gathers paired up wrongly. At stage 3 every rank must run "
-                "the same units in the same order; move rank-dependent branches out of the units or use stage 2"
-            )
-
     # ------------------------------------------------------------------ what the optimizer uses
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """This rank's pieces of every trainable parameter (stages 1-3), in unit order."""
         out = []
-        for bucket in self.reducer.buckets:
+        for bucket, unit in zip(self.reducer.buckets, self._bucket_flat):
             assert isinstance(bucket, ShardBucket)
-            unit = self._bucket_unit(bucket)
             slot_of = {id(p): k for k, p in enumerate(bucket.params)}
             for piece in unit.layout.pieces(unit.rank):
                 p = unit.params[piece.param]
@@ -467,15 +366,10 @@ class ZeroDataParallel(DistributedDataParallel):
                 out.append(OwnedPiece(p, unit.names[piece.param], piece.start, piece.stop, unit.master[a:b], _grad_of(bucket, k, a, b)))
         return out
 
-    def _bucket_unit(self, bucket: ShardBucket) -> FlatParams:
-        if self.stage == 3:
-            return self.units[self._unit_index[self._bucket_units[bucket.index]]]
-        return self.units[bucket.index]
-
     def prepare_step(self) -> None:
-        """Before the optimizer changes the master chunks: wait for reductions, free gathered units."""
-        if self.stage == 3:
-            self._release_all()
+        """Before the optimizer changes the master chunks: free the gathered units (stage 3)."""
+        if self.schedule is not None:
+            self.schedule.release_all()
 
     def publish(self) -> None:
         """After the optimizer step (stages 1, 2): all-gather every unit's updated chunk, in place."""
@@ -527,10 +421,10 @@ class ZeroDataParallel(DistributedDataParallel):
         With ``writeback`` changes made to the parameters inside the block are kept (each rank
         copies its chunk back into its master). Collective: every rank enters it.
         """
-        if self._in_backward:
-            raise RuntimeError("ZeroDataParallel: summon_full_params inside a backward pass is not supported")
-        for unit in self.units:
-            self._gather(unit)
+        if self.schedule is not None:
+            if self.schedule.in_backward:
+                raise RuntimeError("ZeroDataParallel: summon_full_params inside a backward pass is not supported")
+            self.schedule.gather_all()
         try:
             yield
         finally:
@@ -538,7 +432,8 @@ class ZeroDataParallel(DistributedDataParallel):
                 if writeback:
                     unit.write_back()
                 unit.release()
-            self._gathers = 0
+            if self.schedule is not None:
+                self.schedule.forget_gathers()
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's ``state_dict()`` with full parameter values (the masters' dtype).
@@ -639,35 +534,6 @@ def _grad_of(bucket: ShardBucket, slot: int, a: int, b: int) -> Callable[[], tor
     return grad
 
 
-def _unit_hook(self_ref: "weakref.ref[ZeroDataParallel]", u: int, pre: bool):
-    if pre:
-
-        def pre_hook(module: nn.Module, args: Any) -> None:
-            model = self_ref()
-            if model is not None:
-                model._on_unit(u, True)
-
-        return pre_hook
-
-    def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-        model = self_ref()
-        if model is not None:
-            model._on_unit(u, False, output)
-
-    return post_hook
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output (nested tuples, lists and dicts)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
-    return []
-
-
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
@@ -678,43 +544,6 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
-
-
-def _assign_units(
-    module: nn.Module, spec: Iterable[nn.Module] | set[type] | None
-) -> tuple[list[nn.Module | None], list[list[tuple[str, nn.Parameter]]]]:
-    """Stage 3's units: (unit modules, then ``None`` for the root; each unit's (name, parameter)).
-
-    A parameter belongs to the innermost unit that contains it; one reachable from two units
-    that do not contain each other (a tied weight) belongs to the root unit, which is gathered
-    for the whole forward and backward pass.
-    """
-    named = dict(module.named_modules())
-    if spec is None:
-        chosen = [m for n, m in named.items() if n and any(True for _ in m.parameters(recurse=False))]
-    elif isinstance(spec, (set, frozenset)) and all(isinstance(t, type) for t in spec):
-        chosen = [m for n, m in named.items() if n and isinstance(m, tuple(spec))]
-    else:
-        chosen = list(spec)
-        ids = {id(m) for m in named.values()}
-        bad = [type(m).__name__ for m in chosen if not isinstance(m, nn.Module) or id(m) not in ids or m is module]
-        if bad:
-            raise ValueError(f"ZeroDataParallel: units must be submodules of the wrapped module (not the module itself); got {bad}")
-    prefix = {id(m): n for n, m in named.items()}
-    units = sorted({id(m): m for m in chosen}.values(), key=lambda m: list(named).index(prefix[id(m)]))
-    paths = [prefix[id(m)] + "." for m in units]
-    owner: dict[int, int] = {}
-    first_name: dict[int, str] = {}
-    root = len(units)
-    for name, p in module.named_parameters(remove_duplicate=False):
-        inner = [u for u, path in enumerate(paths) if name.startswith(path)]
-        u = max(inner, key=lambda i: len(paths[i])) if inner else root
-        first_name.setdefault(id(p), name)
-        owner[id(p)] = u if owner.get(id(p), u) == u else root
-    members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(root + 1)]
-    for name, p in module.named_parameters():
-        members[owner[id(p)]].append((first_name[id(p)], p))
-    return [*units, None], members
 
 
 __all__ = ["MixedPrecision", "OwnedPiece", "ZeroDataParallel", "owner_of"]
