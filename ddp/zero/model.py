@@ -227,6 +227,8 @@ class ZeroDataParallel(DistributedDataParallel):
         self.stage = stage
         self._param_ids = tuple(id(p) for p in module.parameters())
         self_ref = weakref.ref(self)
+        for key in [k for k, (p, m) in _owners.items() if p() is None or m() is None]:
+            del _owners[key]
         for p in module.parameters():
             _owners[id(p)] = (weakref.ref(p), self_ref)
         if self.schedule is not None:
@@ -283,13 +285,25 @@ class ZeroDataParallel(DistributedDataParallel):
             return super()._make_reducer(params, names, layout)
         compute = self._mp.param_dtype
         if stage in (1, 2):
+            plain = {id(p): n for n, p in self.module.named_parameters()}  # names[] also lists a tied weight's aliases
             for b, idx in enumerate(layout):
                 self.units.append(
-                    FlatParams(b, [params[i] for i in idx], [names[i] for i in idx], self.process_group,
+                    FlatParams(b, [params[i] for i in idx], [plain[id(params[i])] for i in idx], self.process_group,
                                compute_dtype=compute, resident=True)
                 )  # fmt: skip
             #: the unit each bucket reduces into
             self._bucket_flat = list(self.units)
+            # Frozen weights: units without a bucket, so that they too compute in param_dtype and
+            # keep a master chunk (nothing to all-gather: they never change).
+            frozen: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    frozen.setdefault(p.dtype, []).append((name, p))
+            for members in frozen.values():
+                self.units.append(
+                    FlatParams(len(self.units), [p for _, p in members], [n for n, _ in members], self.process_group,
+                               compute_dtype=compute, resident=True)
+                )  # fmt: skip
         else:
             flats: list[FlatParams | None] = []
             for u, members in enumerate(self._unit_members):
@@ -464,6 +478,7 @@ class ZeroDataParallel(DistributedDataParallel):
         missing, unexpected = expected - set(state_dict), set(state_dict) - expected
         if missing or unexpected:
             raise KeyError(f"load_full_state_dict: missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}")
+        self.prepare_step()  # nothing may stay gathered from the old values
         in_unit = {id(p) for unit in self.units for p in unit.params}
         for name, p in self.module.named_parameters():
             value = state_dict[name]

@@ -78,6 +78,7 @@ class FlatParams:
         self.compute_dtype = compute_dtype or self.master_dtype
         self.device = params[0].device
         self.resident = resident
+        self.trainable = any(p.requires_grad for p in params)  # frozen units never change: nothing to publish
         self._memory = memory or (lambda delta: None)
         lo, hi = self.layout.chunk_range(self.rank)
         with torch.no_grad():
@@ -170,7 +171,7 @@ class FlatParams:
     def publish(self) -> Work | None:
         """Stages 1, 2: write the updated master chunk into the full buffer and start the in-place
         all-gather that brings every rank's chunk to every rank. Returns the pending work."""
-        if not self.resident:
+        if not self.resident or not self.trainable:
             return None
         chunk = self.chunk()
         if not self.aliased:

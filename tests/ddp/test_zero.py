@@ -101,7 +101,19 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
     "adam": (torch.optim.Adam, {"lr": 0.01}),
+    # every other element-wise optimizer of torch.optim, at stage 2 (what "shardable" means)
+    "adamax": (torch.optim.Adamax, {"lr": 0.01}),
+    "nadam": (torch.optim.NAdam, {"lr": 0.01}),
+    "radam": (torch.optim.RAdam, {"lr": 0.01}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),
+    "rprop": (torch.optim.Rprop, {"lr": 0.01}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "asgd": (torch.optim.ASGD, {"lr": 0.05, "t0": 1}),
+    "sgd-nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    "adam-amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "maximize": True}),
 }
+OTHER_OPTIMIZERS = ("adamax", "nadam", "radam", "rmsprop", "rprop", "adagrad", "adadelta", "asgd", "sgd-nesterov", "adam-amsgrad")
 
 
 def batches(kind: str, world: int, micro: int, steps: int = STEPS, seed: int = DATA_SEED) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -159,6 +171,7 @@ def cases_for(world: int) -> list[dict[str, Any]]:
         for stage in (1, 2, 3):
             out.append(case(f"z{stage}-no-sync-clip", stage, micro=2, clip=0.05))
             out.append(case(f"z{stage}-keep-grads", stage, opt="sgd", set_to_none=False))
+        out += [case(f"z2-{opt}", 2, opt=opt) for opt in OTHER_OPTIMIZERS]
         out.append(case("z3-units-per-sequential", 3, zero={"units": {nn.Sequential}}))
         out.append(case("z3-no-prefetch", 3, zero={"prefetch": False}))
         return out
