@@ -112,12 +112,6 @@ class ShardBucket:
         if keep_buffer:
             self._allocate()
 
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes held between steps: the averaged chunk, plus ZeRO-1's resident buffer."""
-        held = 0 if self.grad is None else self.grad.numel() * self.grad.element_size()
-        return held + (self.info.nbytes if self.keep_buffer else 0)
-
     def _allocate(self) -> torch.Tensor:
         device = self.params[0].device
         buffer = torch.empty(self.layout.padded, dtype=self.reduce_dtype, device=device)

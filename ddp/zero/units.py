@@ -92,7 +92,6 @@ class FlatParams:
         self.aliased = aliased
         self.gathered = True
         self._pending: Work | None = None
-        self._input: torch.Tensor | None = None  # the all-gather's input while it runs (mixed precision)
         self._point_params()
         if not resident:
             self._memory(self.full_bytes)  # counted as gathered until the release below
@@ -103,11 +102,6 @@ class FlatParams:
     @property
     def full_bytes(self) -> int:
         return self.layout.padded * self.full.element_size()
-
-    @property
-    def master_bytes(self) -> int:
-        """Bytes the master chunk adds (0 when it is a view of the resident full buffer)."""
-        return 0 if self.aliased else self.master.numel() * self.master.element_size()
 
     def chunk(self) -> torch.Tensor:
         """This rank's chunk of the full buffer."""
@@ -125,7 +119,6 @@ class FlatParams:
             self.full.untyped_storage().resize_(self.full_bytes)
             self._memory(self.full_bytes)
             source = self.master if self.compute_dtype == self.master_dtype else self.master.to(self.compute_dtype)
-            self._input = source
             with trace.label(f"all_gather unit {self.index}"):
                 self._pending = collectives.all_gather_into_tensor(self.full, source, group=self.group, async_op=True)
         if not async_op:
@@ -136,7 +129,6 @@ class FlatParams:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.wait()
-            self._input = None
             self.gathered = True
             self._point_params()
 
