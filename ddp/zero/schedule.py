@@ -157,7 +157,8 @@ class UnitSchedule:
         self.in_backward = False
         self.release_all()
         mine, self._gathered = self._gathered, 0
-        check = torch.tensor([mine, -mine], dtype=torch.int64)
+        device = next((f.device for f in self.flats if f is not None), torch.device("cpu"))
+        check = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
         collectives.all_reduce(check, ReduceOp.MAX, group=self.group)
         if int(check[0]) != -int(check[1]):
             raise RuntimeError(

@@ -119,6 +119,7 @@ class FlatParams:
             self.full.untyped_storage().resize_(self.full_bytes)
             self._memory(self.full_bytes)
             source = self.master if self.compute_dtype == self.master_dtype else self.master.to(self.compute_dtype)
+            self._sync_device()
             with trace.label(f"all_gather unit {self.index}"):
                 self._pending = collectives.all_gather_into_tensor(self.full, source, group=self.group, async_op=True)
         if not async_op:
@@ -154,6 +155,12 @@ class FlatParams:
         self._memory(-self.full_bytes)
         self.gathered = False
 
+    def _sync_device(self) -> None:
+        """CUDA: the master chunk was written by kernels queued on this thread's stream; the
+        communication thread must not read it before they ran (as DDP's buckets)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _point_params(self) -> None:
         for p, view in zip(self.params, self.layout.views(self.full, self.shapes)):
             p.data = view
@@ -168,6 +175,7 @@ class FlatParams:
         chunk = self.chunk()
         if not self.aliased:
             chunk.copy_(self.master)
+        self._sync_device()
         with trace.label(f"all_gather unit {self.index}"):
             return collectives.all_gather_into_tensor(self.full, chunk, group=self.group, async_op=True)
 

@@ -385,6 +385,31 @@ def ckpt_case(c: dict[str, Any], rank: int, world: int, directory: str, load: st
     return out
 
 
+def reload_case(rank: int, world: int) -> dict[str, Any]:
+    """Full state dicts: train at stage 2, consolidate, load into a fresh stage-3 model and
+    optimizer (every rank gets rank 0's dicts), take one more step with both: the same result."""
+    data = batches("uneven", world, 1, 3)
+    runs = []
+    for stage in (2, 3):
+        model = ddp.ZeroDataParallel(build("uneven", MODEL_SEED + 1000 * rank + stage), stage=stage)
+        runs.append((model, ddp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)))
+    (first, opt_first), (second, opt_second) = runs
+    for (x, y), in data[:2]:
+        F.mse_loss(first(rows(x, rank)), rows(y, rank)).backward()
+        opt_first.step()
+        opt_first.zero_grad()
+    opt_first.consolidate_state_dict(to=0)
+    dicts = [first.full_state_dict(), opt_first.state_dict() if rank == 0 else None]
+    collectives.broadcast_object_list(dicts, src=0)
+    second.load_full_state_dict(dicts[0])
+    opt_second.load_state_dict(dicts[1])
+    (x, y), = data[2]
+    for model, opt in runs:
+        F.mse_loss(model(rows(x, rank)), rows(y, rank)).backward()
+        opt.step()
+    return {stage: {k: v.numpy() for k, v in model.full_state_dict(rank0_only=False).items()} for stage, (model, _) in zip((2, 3), runs)}
+
+
 CKPT_SAVE = case("ckpt-save", 2, opt="adamw")
 CKPT_FROM_4 = case("ckpt-from-4", 3, opt="adamw")
 
@@ -452,6 +477,8 @@ def worker(rank: int, world: int, launch: str, ckpt_dir: str) -> dict[str, Any]:
         out["memory"] = memory_case(rank, world)
     if "ckpt-save" in extras:
         out["ckpt"] = ckpt_case(CKPT_SAVE if world == 2 else CKPT_FROM_4, rank, world, f"{ckpt_dir}/w{world}", None)
+    if "reload" in extras:
+        out["reload"] = reload_case(rank, world)
     if "misuse" in extras:
         out["misuse"] = misuse_case(rank, world)
     return out
@@ -469,7 +496,7 @@ def restart_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
 # Spawning ranks costs seconds (more on a loaded machine), so there are three launches: 2 ranks
 # on p2p (world 1 on a subgroup), 4 ranks on shm (world 3 on a p2p subgroup), and the restart.
 LAUNCHES: dict[str, tuple[int, str, tuple[str, ...]]] = {
-    "L2": (2, "p2p", ("torch", "mp", "memory", "ckpt-save", "misuse")),
+    "L2": (2, "p2p", ("torch", "mp", "memory", "ckpt-save", "reload", "misuse")),
     "L4": (4, "shm", ("ckpt-save",)),
 }
 # run: (launch, world size, backend, bitwise equal to our DDP: 2 ranks, or shm)
@@ -657,6 +684,15 @@ def test_checkpoint_restart_and_reshard(ckpt_dir: str) -> None:
         opt.zero_grad()
     names = [n for n, _ in model.named_parameters()]
     assert_close([restarted[0]["from_4"]["final"][n] for n in names], _np(model.parameters()), "4 ranks, then 2")
+
+
+@pytest.mark.timeout(400)
+def test_full_state_dicts_load_across_stages(ckpt_dir: str) -> None:
+    for res in results_of("L2", ckpt_dir):
+        # stage 2 trained 2 steps, its full dicts loaded into stage 3: the third step agrees
+        # bitwise (2 ranks: both stages compute our DDP's numbers)
+        for k, v in res["reload"][2].items():
+            assert np.array_equal(res["reload"][3][k], v), k
 
 
 @pytest.mark.timeout(400)
