@@ -180,9 +180,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """All ranks must shard the same parameters the same way (one all-gather of a checksum)."""
         shapes = [tuple(self._shape(p)) for p in flat]
         text = repr((optimizer_class.__name__, [len(g["params"]) for g in self.param_groups], names, shapes))
-        mine = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64)
+        device = flat[0].device if flat else torch.device("cpu")
+        mine = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64, device=device)
         n = collectives.get_world_size(self.group)
-        every = torch.empty(n, dtype=torch.int64)
+        every = torch.empty(n, dtype=torch.int64, device=device)
         collectives.all_gather_into_tensor(every, mine, group=self.group)
         if len(set(every.tolist())) > 1:
             raise RuntimeError(
