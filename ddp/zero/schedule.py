@@ -18,7 +18,8 @@ gathers a unit just before it computes and frees it right after::
   weights, and the root, are freed when the whole backward pass ends (a frozen weight may still
   be needed after the trainable ones' gradients are final).
 * **Per step**: at most the root, the unit computing and one prefetched unit are gathered, so
-  parameter memory is ``1/n`` of the model plus about two units.
+  parameter memory is ``1/n`` of the model plus about two units. (With ``prefetch`` the unit
+  that ran last in forward stays gathered: it is the first one backward needs.)
 
 All ranks must issue the same all-gathers in the same order: our collectives pair by order, and
 two units of equal size would pair silently. Each rank therefore folds the units it gathers into
@@ -121,10 +122,13 @@ class UnitSchedule:
             if self.prefetch and call + 1 < len(self.last_order):
                 self.gather(self.last_order[call + 1], async_op=True)
             return
+        call = len(self.order) - 1
         flat = self.flats[u]
-        if flat is not None:
+        # The unit that ran last in the previous forward is the first the backward pass needs:
+        # with prefetch it keeps its weights instead of freeing and gathering them again.
+        if flat is not None and not (self.prefetch and call == len(self.last_order) - 1 and torch.is_grad_enabled()):
             flat.release()
-        self._hook_backward(output, u, len(self.order) - 1)
+        self._hook_backward(output, u, call)
 
     # ------------------------------------------------------------------ backward
 
