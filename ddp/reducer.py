@@ -13,7 +13,8 @@ registers one hook per parameter; every hook call lands here. The Reducer owns t
 * the comm hook: by default a bucket is reduced with ``all_reduce(AVG, async_op=True)``; with
   :meth:`Reducer.register_comm_hook` the hook decides (see ``ddp/comm_hooks.py``).
 
-The Reducer drives its buckets only through ``fill``, ``start``, ``complete`` and ``write_back``
+The Reducer drives its buckets only through ``fill``, ``start``, ``complete`` (``keep=False``
+when it drains a pass whose backward raised) and ``write_back``
 (plus ``index``, ``param_indices``, ``params`` and ``info``), so another kind of bucket can take
 the same path through the backward pass: ``make_bucket`` builds them and ``retire_early`` bounds
 how many are in flight (``ddp/zero/buckets.py`` reduce-scatters into per-rank shards that way).
@@ -163,13 +164,16 @@ class Bucket:
             )
         return future
 
-    def complete(self, pending: Work | torch.futures.Future, reducer: Reducer) -> None:
-        """Wait for what :meth:`start` returned; afterwards the buffer holds the reduced gradients."""
+    def complete(self, pending: Work | torch.futures.Future, reducer: Reducer, keep: bool = True) -> None:
+        """Wait for what :meth:`start` returned; afterwards the buffer holds the reduced gradients
+        (``keep=False``: the pass is being discarded, only wait)."""
         buffer = self.buffer
         if isinstance(pending, Work):
             pending.wait()
             return
         value = pending.wait()
+        if not keep:
+            return
         if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel() or value.dtype != buffer.dtype:
             got = f"a {value.dtype} tensor of {value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(
@@ -268,11 +272,11 @@ class _Reduction:
     def launch(self, reducer: Reducer, is_last: bool) -> None:
         self.pending = self.bucket.start(reducer, is_last)
 
-    def wait(self, reducer: Reducer) -> None:
-        """Wait for the reduction (once; later calls do nothing)."""
+    def wait(self, reducer: Reducer, keep: bool = True) -> None:
+        """Wait for the reduction (once; later calls do nothing); ``keep=False`` discards its result."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self.bucket.complete(pending, reducer)
+            self.bucket.complete(pending, reducer, keep)
 
 
 class _Pass:
@@ -433,7 +437,7 @@ class Reducer:
         for r in self._pass.reductions:
             if r.pending is not None:
                 try:
-                    r.wait(self)
+                    r.wait(self, keep=False)
                 except Exception as exc:  # noqa: BLE001 - best effort, the pass is discarded
                     log.warning("discarded reduction of bucket %d failed: %s", r.bucket.index, exc)
         self._pass = None

@@ -98,7 +98,8 @@ class ShardBucket:
         self.grad: torch.Tensor | None = None
         #: per parameter: whether it has a gradient since the last ``zero_grad(set_to_none=True)``
         self.has_grad = [False] * len(self.params)
-        self._out: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None  # the reduce-scatter's output while it runs
+        self._work: Work | None = None
         device = self.params[0].device
         self.info = BucketInfo(
             index=index,
@@ -126,6 +127,8 @@ class ShardBucket:
 
     def fill(self, slot: int, as_view: bool) -> None:
         """Copy ``params[slot].grad`` into its slot (zeros if none) and drop ``.grad``."""
+        if self._work is not None:  # launched by a pass whose backward raised: finish it, keep nothing
+            self._drop_pending()
         buffer = self.buffer if self.buffer is not None else self._allocate()
         p = self.params[slot]
         a, b = self._ranges[slot]
@@ -143,29 +146,36 @@ class ShardBucket:
         assert self.buffer is not None
         if self.buffer.device.type == "cuda":
             torch.cuda.current_stream(self.buffer.device).synchronize()
-        if self.grad is None and self.reduce_dtype == self.grad_dtype:
-            self.grad = out = self.buffer.new_empty(self.layout.chunk)  # reduce straight into the chunk
-        else:
-            out = self.buffer.new_empty(self.layout.chunk)  # added to (or cast into) the chunk afterwards
-        self._out = out
+        self._out = self.buffer.new_empty(self.layout.chunk)
         with trace.label(f"reduce_scatter bucket {self.index}"):
-            work = collectives.reduce_scatter_tensor(out, self.buffer, ReduceOp.AVG, group=self.group, async_op=True)
+            self._work = collectives.reduce_scatter_tensor(self._out, self.buffer, ReduceOp.AVG, group=self.group, async_op=True)
         if self.on_start is not None:
             self.on_start()
-        return work
+        return self._work
 
-    def complete(self, pending: Work, reducer: Reducer) -> None:
-        """Wait for the reduce-scatter, fold the result into :attr:`grad`, free the buffer."""
-        pending.wait()
-        out, self._out = self._out, None
-        assert out is not None
+    def complete(self, pending: Work, reducer: Reducer, keep: bool = True) -> None:
+        """Wait for the reduce-scatter, fold the result into :attr:`grad` (the first one of a step
+        becomes it), free the buffer. ``keep=False`` (a discarded pass): only wait and free."""
+        out = self._drop_pending()
+        if not keep:
+            return
         if self.grad is None:
-            self.grad = out.to(self.grad_dtype)
-        elif out is not self.grad:
+            self.grad = out.to(self.grad_dtype)  # no copy when the dtypes agree
+        else:
             self.grad.add_(out)
-        if not self.keep_buffer:
-            self.buffer = None
-            self._memory(-self.info.nbytes)
+
+    def _drop_pending(self) -> torch.Tensor:
+        """Wait for the reduction in flight; free a transient buffer; return its output."""
+        work, out = self._work, self._out
+        assert work is not None and out is not None
+        self._work = self._out = None
+        try:
+            work.wait()
+        finally:
+            if not self.keep_buffer:
+                self.buffer = None
+                self._memory(-self.info.nbytes)
+        return out
 
     def write_back(self, as_view: bool, used_anywhere: list[bool] | None) -> None:
         """Record which parameters have a gradient now (a parameter used on no rank has none)."""

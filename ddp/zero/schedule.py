@@ -104,7 +104,12 @@ class UnitSchedule:
 
     def begin_forward(self) -> None:
         if self.in_backward:
-            raise RuntimeError("ZeroDataParallel: forward called during a backward pass; not supported at stage 3")
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError("ZeroDataParallel: forward called during a backward pass; not supported at stage 3")
+            # the last backward pass raised before its end: nothing of it counts
+            self.in_backward = False
+            self.release_all()
+            self._gathered = 0
         self.order = []
         self.gather(self.root)
 

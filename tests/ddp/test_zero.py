@@ -448,6 +448,28 @@ def misuse_case(rank: int, world: int) -> dict[str, tuple[str, str]]:
     model.module.net.add_module("late", nn.Linear(3, 3).double())  # a parameter added after wrapping
     out["added_param"] = _error(lambda: model(x))
 
+    # a backward pass that raises half-way (some buckets launched, some units gathered), then
+    # training goes on: the step must equal one that never saw the failed pass
+    (x0, y0), = batches("uneven", world, 1, 1)[0]
+    for stage in (2, 3):
+        finals = []
+        for fail in (False, True):
+            wrapped = ddp.ZeroDataParallel(build("uneven"), stage=stage, bucket_cap_mb=TINY_MB)
+            opt = ddp.ZeroRedundancyOptimizer(wrapped.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+            if fail:
+                def boom(module, args, output):
+                    output.register_hook(lambda grad: (_ for _ in ()).throw(ValueError("boom")))
+                handle = wrapped.module.net[1].register_forward_hook(boom)
+                out[f"failed_backward_{stage}"] = _error(lambda: F.mse_loss(wrapped(rows(x0, rank)), rows(y0, rank)).backward())
+                handle.remove()
+                opt.zero_grad()
+            F.mse_loss(wrapped(rows(x0, rank)), rows(y0, rank)).backward()
+            opt.step()
+            with wrapped.summon_full_params():
+                finals.append(_np(wrapped.module.parameters()))
+        same = all(np.array_equal(a, b) for a, b in zip(*finals))
+        out[f"recovered_{stage}"] = ("ok" if same else "differs", "")
+
     # stage 3, a unit run on rank 0 only: the all-gathers pair up wrongly; every rank raises
     group = collectives.new_group(list(range(world)), timeout=5)
     wrapped = ddp.ZeroDataParallel(build("unused"), stage=3, group=group, find_unused_parameters=True)
@@ -711,5 +733,7 @@ def test_misuse_raises_clear_errors_on_every_rank(ckpt_dir: str) -> None:
         assert m["state_dict_unconsolidated"][0] == "RuntimeError" and "consolidate_state_dict" in m["state_dict_unconsolidated"][1]
         assert m["comm_hook"][0] == "RuntimeError" and m["join"][0] == "RuntimeError"
         assert m["added_param"][0] == "RuntimeError" and "net.late.weight" in m["added_param"][1]
+        for stage in (2, 3):
+            assert m[f"failed_backward_{stage}"][0] == "ValueError" and m[f"recovered_{stage}"][0] == "ok", m
         kind, message = m["divergent_unit"]  # the gather-order check, or the collectives' own mismatch check
         assert kind == "RuntimeError" and "gathered different units" in message or "Collective" in kind, m["divergent_unit"]
