@@ -5,7 +5,9 @@
 * :class:`DistributedDataParallel` — the real thing: gradients packed into buckets whose
   all-reduces start during the backward pass (see ``ddp/distributed.py`` for how and why);
 * :func:`broadcast_module` — make every rank's replica equal to rank 0's (parameters and buffers);
-* :mod:`ddp.comm_hooks` — how a bucket is reduced, replaceable (fp16/bf16 compression, ...).
+* :mod:`ddp.comm_hooks` — how a bucket is reduced, replaceable (fp16/bf16 compression, ...);
+* :class:`ZeroDataParallel` and :class:`ZeroRedundancyOptimizer` (:mod:`ddp.zero`) — the ZeRO
+  ladder: shard the optimizer state (stage 1), the gradients (2) and the parameters (3).
 
 Run ``python -m ddp.bench`` to compare with ``torch.nn.parallel.DistributedDataParallel``.
 """
@@ -16,6 +18,8 @@ from .distributed import DistributedDataParallel
 from .reducer import GradBucket, Reducer, ReductionStats
 from .naive import all_reduce_gradients
 from .sync import broadcast_module, broadcast_tensors
+from . import zero
+from .zero import MixedPrecision, ZeroDataParallel, ZeroRedundancyOptimizer
 
 DDP = DistributedDataParallel
 
@@ -24,6 +28,7 @@ __all__ = [
     "BucketInfo",
     "DistributedDataParallel",
     "GradBucket",
+    "MixedPrecision",
     "Reducer",
     "ReductionStats",
     "all_reduce_gradients",
@@ -32,4 +37,7 @@ __all__ = [
     "broadcast_tensors",
     "comm_hooks",
     "format_bucket_table",
+    "zero",
+    "ZeroDataParallel",
+    "ZeroRedundancyOptimizer",
 ]

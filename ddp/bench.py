@@ -4,6 +4,7 @@
     python -m ddp.bench --bucket-mb 25,5,inf --json ddp.json --plot ddp.png
     python -m ddp.bench --world-size 4 --width 1024 --layers 8 --batch 32
     python -m ddp.bench --comm-hook none,fp16,bf16        # gradient compression, ours and torch's
+    python -m ddp.bench --zero 1,2,3 --optimizer adam     # the ZeRO ladder, ours and torch's
 
 What runs
 ---------
@@ -15,8 +16,9 @@ one copy of it per *variant*, each with its own SGD optimizer:
   our collectives run on (torch's defaults: 25 MiB buckets, a 1 MiB first bucket);
 * ``torch DDP ringddp``: the same torch DDP over a torch process group of backend ``"ringddp"``
   (``collectives.torch_backend``): torch's reducer, our collectives underneath;
-* ``FSDP2 gloo`` / ``FSDP2 ringddp``: torch's ``fully_shard`` on every Linear layer and the root,
-  over a mesh of a gloo or a ringddp process group (``--torch-stacks`` chooses these rows);
+* ``torch FSDP2`` / ``torch FSDP2 ringddp``: torch's ``fully_shard`` on every Linear layer and the
+  root, over a mesh of the gloo or of the ringddp process group (``--torch-stacks`` chooses the
+  ringddp and FSDP2 rows);
 * ``ours <cap>``: :class:`ddp.DistributedDataParallel` with ``bucket_cap_mb=<cap>``, one variant
   per value of ``--bucket-mb`` (``inf``: a single bucket, i.e. no overlap at all);
 * ``local``: the bare model, same step, no communication: the floor every DDP row pays on top of.
@@ -24,6 +26,17 @@ one copy of it per *variant*, each with its own SGD optimizer:
 After the steps, each rank also times *returning* from an async 4 KiB all-reduce on the gloo and
 the ringddp torch groups (``async return``: what a DDP pays to launch a bucket; median of 200,
 with the queue idle and while a 16 MiB all-reduce is in flight).
+
+``--zero`` (comma list of stages 1, 2, 3) adds :class:`ddp.ZeroDataParallel` at each stage with
+:class:`ddp.ZeroRedundancyOptimizer` (``ours ZeRO-s``, first ``--bucket-mb``), and torch's
+counterpart of each, on the same gloo group: ``torch ZeRO-1`` (torch DDP +
+``torch.distributed.optim.ZeroRedundancyOptimizer``), ``torch FSDP2 ZeRO-2`` (``fully_shard`` of
+every Linear and the root with ``reshard_after_forward=False``: parameters gathered once per step,
+gradients reduce-scattered, torch's ZeRO-2) and ``torch FSDP2`` (``fully_shard``, ZeRO-3). Every
+variant steps ``--optimizer`` (``sgd``: plain SGD; ``adam``: Adam, whose two moments make the
+optimizer state twice the parameters: what ZeRO shards first). A second table then gives, per
+variant and rank, the bytes sent per step and the memory held, by tensor accounting
+(``ddp.zero.memory_report``; see "Reading the second table").
 
 ``--grad-view`` builds both DDPs with ``gradient_as_bucket_view=True``: the gradients are views
 into the buckets, so neither copies them into a bucket before the all-reduce nor back after it
@@ -69,16 +82,14 @@ Reading the table
     backward pass. Compare the DDP rows on this column.
 ``vs torch``
     step time of torch DDP (on gloo) with the same comm hook / this row's step time: ``> 1`` is
-    faster than torch DDP, ``< 1`` slower; ``FSDP2 ringddp`` is compared with ``FSDP2 gloo``. The
-    local row's value (against torch without hook) is the ceiling any DDP could reach.
+    faster than torch DDP, ``< 1`` slower; ``torch FSDP2 ringddp`` is compared with ``torch FSDP2``
+    (on gloo). The local row's value (against torch without hook) is the ceiling any DDP could reach.
 ``MB/step``
     payload each rank hands to collectives per step (MiB). Where our collectives carry it (ours,
     the ringddp rows) it is *measured*: one extra step per variant runs under
     ``collectives.trace`` before the timing and the bytes of its collectives are summed. Over
-    gloo it is computed: gradient bytes (halved by fp16/bf16 hooks) for DDP; for FSDP2 three
-    shards (``3/n`` of the parameter bytes: the shard all-gathered in forward and again in
-    backward, and the gradient shard a reduce-scatter leaves), as the trace counts them. With a
-    ring all-reduce each rank sends ``2(n-1)/n`` times this over the wire.
+    gloo it is computed for DDP (gradient bytes, halved by fp16/bf16 hooks). With a ring
+    all-reduce each rank sends ``2(n-1)/n`` times this over the wire.
 
 ``comm`` / ``comm/torch``
     the step minus the local step: what data parallelism costs this row per step, and that cost
@@ -86,6 +97,29 @@ Reading the table
 
 ``sync`` is ``ok`` when every rank ended with bitwise identical parameters (checked after the
 timing), as data parallelism requires.
+
+Reading the second table (``--zero``)
+-------------------------------------
+``vs DDP``
+    step time over our DDP's (first bucket cap, no hook); torch's rows over torch DDP's.
+``vs torch``
+    (first table) for a ZeRO row: the step time of torch's counterpart over this row's.
+``sent MB``
+    what each rank sends per step on a ring, the accounting of the ZeRO paper: an all-reduce of
+    ``S`` bytes sends ``2(n-1)/n · S``, a reduce-scatter or all-gather of ``S`` (the full size)
+    ``(n-1)/n · S``, a broadcast ``(n-1)/n · S`` on average. Ours: summed over the collectives of
+    one traced step (shared memory moves the same bytes through memory instead of a wire).
+    Torch's: computed from what their algorithms do (DDP: all-reduce of the gradients; ZeRO-1:
+    plus a broadcast of every parameter from its owner; FSDP2: an all-gather per unit in forward,
+    another in backward unless ``reshard_after_forward=False``, and a reduce-scatter).
+``params`` / ``grads`` / ``optim``
+    MiB each rank holds after a step's ``optimizer.step()`` (before ``zero_grad``): parameter
+    storage (replicas, flat buffers, master chunks), gradient storage (``.grad``, buckets,
+    averaged chunks), optimizer state. torch DDP's own buckets live inside its C++ reducer and are
+    not visible (one more copy of the gradients).
+``peak``
+    ours: params + grads + optim plus the largest transient allocation of a step (gathered units,
+    bucket buffers, autograd's fresh gradient), an upper bound; torch's rows: ``-``.
 
 On a small CPU machine the ranks share the cores with each other and with the communication
 threads (``torch.set_num_threads(cpu_count // world_size)`` per rank, overridable with
@@ -97,6 +131,7 @@ draws the phases as stacked bars.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -119,17 +154,24 @@ from collectives.backends import backend_argument, describe_backends, device_typ
 
 from . import comm_hooks
 from .distributed import DistributedDataParallel
+from .zero import ZeroDataParallel, ZeroRedundancyOptimizer, memory_report
 
 log = logging.getLogger("ddp.bench")  # not __name__: under "python -m" the ranks import this as __mp_main__
 
 PHASES = ("step", "forward", "backward", "optim")
 COMM_HOOKS = ("none", "allreduce", "fp16", "bf16")
 TORCH_STACKS = ("ddp-ringddp", "fsdp2")
-#: which row a kind's "vs torch" compares with (the kind over gloo; by default torch DDP on gloo)
-_REFERENCE = {"fsdp2": "fsdp2", "fsdp2-ringddp": "fsdp2"}
-#: kinds whose collectives are ours (their bytes are measured by tracing)
-_TRACED = ("ours", "torch-ringddp", "fsdp2-ringddp")
 _COMPRESSED = {"fp16": 0.5, "bf16": 0.5}  # payload ratio of the compression hooks (float32 gradients)
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+# bytes a rank sends per byte of the traced payload, on a ring of n ranks (see the docstring)
+_SENT_PER_BYTE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: n - 1,  # traced: the output chunk
+    "all_gather_into_tensor": lambda n: n - 1,  # traced: the input chunk
+    "broadcast": lambda n: (n - 1) / n,
+}
+# torch's rows, computed: bytes sent per parameter byte, as multiples of (n-1)/n
+_TORCH_SENT = {"torch DDP": 2, "torch ZeRO-1": 3, "torch FSDP2 ZeRO-2": 2, "torch FSDP2": 3}
 
 
 def _hooks(name: str) -> tuple[Any, Any]:
@@ -159,6 +201,8 @@ class Config:
     torch_stacks: tuple[str, ...] = TORCH_STACKS
     first_bucket_mb: float | None = None
     grad_view: bool = False
+    zero: tuple[int, ...] = ()
+    optimizer: str = "sgd"
     warmup: int = 1
     rounds: int = 10
     steps: int = 3
@@ -191,17 +235,28 @@ class _Variant:
     """One model copy, its optimizer, and the per-step measurements of one rank."""
 
     def __init__(
-        self, key: str, name: str, kind: str, model: nn.Module, lr: float, bucket_mb: float | None = None, hook: str = "none"
+        self,
+        key: str,
+        name: str,
+        kind: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        bucket_mb: float | None = None,
+        hook: str = "none",
+        versus: str | None = None,
     ):
         self.key, self.name, self.kind, self.model, self.bucket_mb, self.hook = key, name, kind, model, bucket_mb, hook
+        self.versus = versus  # the torch row this one is compared with (None: torch DDP, same hook)
         self.comm_bytes: int | None = None
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        self.sent_bytes: float | None = None
+        self.memory: dict[str, int | None] | None = None
+        self.optimizer = optimizer
         self.times: dict[str, list[float]] = {p: [] for p in PHASES}
         self.wait: list[float] = []
         self.reducer_backward: list[float] = []
         self.launched: list[int] = []
         self.buckets = len(model.buckets) if isinstance(model, DistributedDataParallel) else None
-        self.fsdp = kind.startswith("fsdp2")
+        self.stage = model.stage if isinstance(model, ZeroDataParallel) else None
 
     def step(self, x: torch.Tensor, y: torch.Tensor, record: bool) -> float:
         t0 = time.perf_counter()
@@ -222,16 +277,32 @@ class _Variant:
                 self.launched.append(stats.launched_during_backward)
         return t3 - t0
 
-    def measure_comm_bytes(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One untimed step under tracing: the bytes handed to our collectives, or computed (gloo)."""
-        if self.kind in _TRACED:
+    def measure_comm_bytes(self, x: torch.Tensor, y: torch.Tensor, world_size: int) -> None:
+        """One untimed step under tracing: the bytes handed to collectives and the bytes a rank
+        sends (ours), or both computed (torch)."""
+        n = world_size
+        if self.kind in ("ours", "ringddp"):  # our collectives carry it: measured
             with trace.tracing() as tracer:
                 self.step(x, y, record=False)
-            self.comm_bytes = sum(e["args"].get("bytes", 0) for e in tracer.events if e["cat"] == "collective")
-        elif self.kind != "local":
-            param_bytes = sum(math.prod(p.shape) * p.element_size() for p in self.model.parameters())
-            shards = 3.0 / torch.distributed.get_world_size()  # FSDP2: two all-gathers of a shard, one reduce-scatter into one
-            self.comm_bytes = int(param_bytes * (shards if self.fsdp else _COMPRESSED.get(self.hook, 1.0)))
+            events = [e["args"] for e in tracer.events if e["cat"] == "collective"]
+            self.comm_bytes = sum(a.get("bytes", 0) for a in events)
+            self.sent_bytes = sum(a.get("bytes", 0) * _SENT_PER_BYTE.get(a["op"], lambda n: 0.0)(n) for a in events)
+        elif self.kind == "torch":
+            grad_bytes = sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
+            fsdp = self.name.startswith("torch FSDP2")
+            if self.name in _TORCH_SENT:  # FSDP2's parameters are shards: the full size is n times
+                self.sent_bytes = _TORCH_SENT[self.name] * (n - 1) / n * grad_bytes * (n if fsdp else 1)
+            self.comm_bytes = None if fsdp else int(grad_bytes * _COMPRESSED.get(self.hook, 1.0))
+
+    def measure_memory(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One untimed step; what the rank holds after ``optimizer.step()`` (before ``zero_grad``)."""
+        F.mse_loss(self.model(x), y).backward()
+        self.optimizer.step()
+        report = memory_report(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.memory = dataclasses.asdict(report)
+        if self.kind != "ours":
+            self.memory["params_peak"] = self.memory["grads_peak"] = None  # not tracked inside torch's wrappers
 
     def torch_buckets(self) -> list[int] | None:
         """Bucket sizes in bytes of a torch DDP after its bucket rebuild (private API: best effort)."""
@@ -243,16 +314,18 @@ class _Variant:
             return None
 
     def checksum(self) -> int:
-        """CRC of the parameters (FSDP2: of the full, gathered ones: a collective, same order everywhere)."""
+        """CRC of the full parameters (collective for sharded ones: every rank calls it in turn)."""
         crc = 0
-        for p in self.model.parameters():
-            full = p.full_tensor() if self.fsdp else p
-            crc = zlib.crc32(full.detach().contiguous().numpy().tobytes(), crc)
+        full = self.model.summon_full_params() if self.stage == 3 else contextlib.nullcontext()
+        with full:  # type: ignore[attr-defined]
+            for p in self.model.parameters():
+                value = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2's DTensor
+                crc = zlib.crc32(value.detach().contiguous().numpy().tobytes(), crc)
         return crc
 
     def report(self) -> dict[str, Any]:
         bucket_bytes = [b.nbytes for b in self.model.buckets] if self.kind == "ours" else None
-        if self.kind in ("torch", "torch-ringddp"):
+        if self.kind in ("torch", "ringddp"):
             bucket_bytes = self.torch_buckets()
             self.buckets = None if bucket_bytes is None else len(bucket_bytes)
         return {
@@ -261,7 +334,11 @@ class _Variant:
             "kind": self.kind,
             "bucket_mb": _mb_json(self.bucket_mb),
             "comm_hook": self.hook,
+            "stage": self.stage,
+            "versus": self.versus,
             "comm_bytes": self.comm_bytes,
+            "sent_bytes": self.sent_bytes,
+            "memory": self.memory,
             "buckets": self.buckets,
             "bucket_bytes": bucket_bytes,
             "times": self.times,
@@ -272,16 +349,40 @@ class _Variant:
         }
 
 
-def _fsdp2(model: nn.Module, group: Any) -> nn.Module:
-    """torch's FSDP2 on ``model``: every Linear a unit of its own, then the root."""
-    from torch.distributed.device_mesh import DeviceMesh
+def _torch_zero_variants(
+    cfg: Config, base: nn.Module, pg: Any, ringddp: Any, optimizer_class: type
+) -> list[_Variant]:
+    """torch's counterparts of the ``--zero`` stages, on the gloo group our collectives run on;
+    with the ``fsdp2`` stack, torch's FSDP2 on gloo and on the ``ringddp`` process group."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    out = []
+    if 1 in cfg.zero:
+        model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=pg)
+        optimizer = TorchZeRO(model.parameters(), optimizer_class, process_group=pg, lr=cfg.lr)
+        out.append(_Variant("torch:zero1", "torch ZeRO-1", "torch", model, optimizer, versus="torch ZeRO-1"))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def sharded(group: Any, reshard: bool) -> nn.Module:
+        mesh = DeviceMesh.from_group(group, "cpu")
+        model = copy.deepcopy(base)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+    fsdp2 = "fsdp2" in cfg.torch_stacks
+    for stage in (2, 3):
+        if stage in cfg.zero or (stage == 3 and fsdp2):
+            model = sharded(pg, stage == 3)
+            name = "torch FSDP2" if stage == 3 else "torch FSDP2 ZeRO-2"
+            out.append(_Variant(f"torch:fsdp{stage}", name, "torch", model, optimizer_class(model.parameters(), lr=cfg.lr), versus=name))
+    if fsdp2:
+        model = sharded(ringddp, True)
+        out.append(_Variant("ringddp:fsdp3", "torch FSDP2 ringddp", "ringddp", model,
+                            optimizer_class(model.parameters(), lr=cfg.lr), versus="torch FSDP2"))  # fmt: skip
+    return out
 
 
 def _async_return_us(groups: dict[str, Any], reps: int = 200) -> dict[str, dict[str, float]]:
@@ -303,6 +404,11 @@ def _async_return_us(groups: dict[str, Any], reps: int = 200) -> dict[str, dict[
     return out
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (FSDP2's are DTensors)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     """One rank: build the variants, run the interleaved rounds, return the raw per-step times."""
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // world_size)
@@ -321,11 +427,16 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
             cfg.layers, cfg.width, cfg.width, f"{n_params:,}", n_params * 4 / 2**20, cfg.batch, world_size, threads,
         )  # fmt: skip
 
+    optimizer_class = OPTIMIZERS[cfg.optimizer]
+
+    def plain(model: nn.Module) -> torch.optim.Optimizer:
+        return optimizer_class(model.parameters(), lr=cfg.lr)
+
     # Construction order is the same on every rank (each wrapper talks to its peers).
     ringddp = torch.distributed.new_group(backend="ringddp", pg_options=torch_backend.Options(backend=cfg.backend))
     torch_groups = {"torch": group.process_group}
     if "ddp-ringddp" in cfg.torch_stacks:
-        torch_groups["torch-ringddp"] = ringddp
+        torch_groups["ringddp"] = ringddp
     variants = []
     for hook in cfg.comm_hooks:
         suffix = "" if hook == "none" else f" {hook}"
@@ -335,12 +446,9 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
             )
             if hook != "none":
                 model.register_comm_hook(pg, _hooks(hook)[1])
-            label = "torch DDP" + (" ringddp" if kind == "torch-ringddp" else "") + suffix
-            variants.append(_Variant(f"{kind}:{hook}", label, kind, model, cfg.lr, hook=hook))
-    if "fsdp2" in cfg.torch_stacks:
-        for kind, pg in (("fsdp2", group.process_group), ("fsdp2-ringddp", ringddp)):
-            label = "FSDP2 " + ("ringddp" if kind == "fsdp2-ringddp" else "gloo")
-            variants.append(_Variant(kind, label, kind, _fsdp2(copy.deepcopy(base), pg), cfg.lr))
+            label = "torch DDP" + (" ringddp" if kind == "ringddp" else "") + suffix
+            variants.append(_Variant(f"{kind}:{hook}", label, kind, model, plain(model), hook=hook))
+    variants += _torch_zero_variants(cfg, base, group.process_group, ringddp, optimizer_class)
     for mb in cfg.bucket_mb:
         for hook in cfg.comm_hooks:
             suffix = "" if hook == "none" else f" {hook}"
@@ -351,14 +459,22 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
             if hook != "none":
                 model.register_comm_hook(None, _hooks(hook)[0])
             name = f"ours {_mb_label(mb)} MB{suffix}"
-            variants.append(_Variant(f"ours:{_mb_label(mb)}:{hook}", name, "ours", model, cfg.lr, mb, hook))
+            variants.append(_Variant(f"ours:{_mb_label(mb)}:{hook}", name, "ours", model, plain(model), mb, hook))
         if rank == 0:
             sizes = ", ".join(f"{b.nbytes / 2**20:.1f}" for b in model.buckets)
             log.info("ours %s MB: %d buckets of %s MiB (launch order)", _mb_label(mb), len(model.buckets), sizes)
-    variants.append(_Variant("local", "local (no comm)", "local", copy.deepcopy(base), cfg.lr))
+    for stage in cfg.zero:
+        model = ZeroDataParallel(copy.deepcopy(base), stage=stage, bucket_cap_mb=cfg.bucket_mb[0])
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class, lr=cfg.lr)
+        versus = "torch ZeRO-1" if stage == 1 else "torch FSDP2 ZeRO-2" if stage == 2 else "torch FSDP2"
+        variants.append(_Variant(f"zero:{stage}", f"ours ZeRO-{stage}", "ours", model, optimizer, cfg.bucket_mb[0], versus=versus))
+    local = copy.deepcopy(base)
+    variants.append(_Variant("local", "local (no comm)", "local", local, plain(local)))
     del base
     for v in variants:  # same order on every rank
-        v.measure_comm_bytes(x, y)
+        v.measure_comm_bytes(x, y, world_size)
+        if cfg.zero:
+            v.measure_memory(x, y)
 
     total = cfg.warmup + cfg.rounds
     for r in range(total):
@@ -408,7 +524,11 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             "kind": first["kind"],
             "bucket_mb": first["bucket_mb"],
             "comm_hook": first["comm_hook"],
+            "stage": first["stage"],
+            "versus": first["versus"],
             "comm_mib": None if first["comm_bytes"] is None else first["comm_bytes"] / 2**20,
+            "sent_mib": None if first["sent_bytes"] is None else first["sent_bytes"] / 2**20,
+            "memory_mib": _largest_memory([rep["memory"] for rep in reports]),
             "buckets": first["buckets"],
             "bucket_mib": None if first["bucket_bytes"] is None else [round(b / 2**20, 2) for b in first["bucket_bytes"]],
             "steps": steps,
@@ -431,15 +551,18 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             row["wait_ms"] = None
             row["launched_during_backward"] = None
         rows.append(row)
-    torch_ms = {r["comm_hook"]: r["step_ms"] for r in rows if r["kind"] == "torch"}
-    kind_ms = {r["kind"]: r["step_ms"] for r in rows}
+    torch_ms = {r["comm_hook"]: r["step_ms"] for r in rows if r["kind"] == "torch" and r["versus"] is None}
+    by_name = {r["name"]: r["step_ms"] for r in rows}
     local = next(r for r in rows if r["kind"] == "local")
+    ddp_ms = {"ours": by_name[f"ours {_mb_label(cfg.bucket_mb[0])} MB"], "torch": torch_ms["none"] if "none" in torch_ms else None}
     for row in rows:
-        if row["kind"] in _REFERENCE:
-            reference = kind_ms[_REFERENCE[row["kind"]]]
+        if row["versus"] is not None:
+            reference = by_name[row["versus"]]
         else:
             reference = torch_ms.get(row["comm_hook"], torch_ms[cfg.comm_hooks[0]])
         row["speed_vs_torch"] = reference / row["step_ms"] if row["step_ms"] > 0 else float("nan")
+        ddp = ddp_ms.get(row["kind"])
+        row["vs_ddp"] = None if ddp is None else row["step_ms"] / ddp
         row["backward_over_local_ms"] = row["backward_ms"] - local["backward_ms"]
         row["comm_ms"] = None if row["kind"] == "local" else row["step_ms"] - local["step_ms"]
         torch_comm = reference - local["step_ms"]
@@ -463,6 +586,43 @@ _COLUMNS = (
     ("backward", 9, ">"), ("optim", 7, ">"), ("wait", 7, ">"), ("launched", 9, ">"), ("bwd-local", 10, ">"),
     ("vs torch", 9, ">"), ("comm", 6, ">"), ("comm/torch", 10, ">"), ("sync", 5, ">"),
 )  # fmt: skip
+
+
+def _largest_memory(per_rank: list[dict[str, int | None] | None]) -> dict[str, float | None] | None:
+    """MiB per category, the largest over the ranks (they differ by at most a chunk's padding)."""
+    if per_rank[0] is None:
+        return None
+    return {
+        k: None if any(m[k] is None for m in per_rank) else max(m[k] for m in per_rank) / 2**20  # type: ignore[index,type-var]
+        for k in per_rank[0]
+    }
+
+
+_ZERO_COLUMNS = (
+    ("variant", 22, "<"), ("step ms", 9, ">"), ("vs DDP", 7, ">"), ("vs torch", 9, ">"), ("sent MB", 8, ">"),
+    ("params", 8, ">"), ("grads", 8, ">"), ("optim", 8, ">"), ("peak", 8, ">"), ("sync", 5, ">"),
+)  # fmt: skip
+
+
+def format_zero_table(summary: dict[str, Any]) -> str:
+    """Traffic and memory per rank of every variant (``--zero``): the second table."""
+
+    def num(x: float | None, fmt: str = ".1f") -> str:
+        return "-" if x is None or x != x else format(x, fmt)
+
+    lines = [" ".join(f"{title:{align}{width}}" for title, width, align in _ZERO_COLUMNS)]
+    lines.append(" ".join("-" * width for _, width, _ in _ZERO_COLUMNS))
+    for r in summary["rows"]:
+        m = r["memory_mib"] or {}
+        peak = None if m.get("params_peak") is None else m["params_peak"] + m["grads_peak"] + m["optimizer"]
+        sync = "-" if r["kind"] == "local" else ("ok" if r["in_sync"] else "DIFF")
+        cells = (
+            r["name"], num(r["step_ms"]), num(r["vs_ddp"], ".2f") + ("x" if r["vs_ddp"] is not None else ""),
+            num(r["speed_vs_torch"], ".2f") + "x", num(r["sent_mib"]), num(m.get("params")), num(m.get("grads")),
+            num(m.get("optimizer")), num(peak), sync,
+        )  # fmt: skip
+        lines.append(" ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _ZERO_COLUMNS)))
+    return "\n".join(lines)
 
 
 def title(summary: dict[str, Any]) -> str:
@@ -561,6 +721,16 @@ def _parse_stacks(text: str) -> tuple[str, ...]:
     return names
 
 
+def _parse_stages(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of ZeRO stages 1, 2, 3, got {text!r}") from None
+    if not stages or any(s not in (1, 2, 3) for s in stages):
+        raise argparse.ArgumentTypeError(f"expected a comma list of ZeRO stages 1, 2, 3 (stage 0 is our DDP's row), got {text!r}")
+    return stages
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="ringddp-ddp-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", "-n", type=int, default=2, help="local processes (default 2)")
@@ -573,6 +743,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
                    help="torch rows besides torch DDP on gloo: comma list of ddp-ringddp (torch DDP on backend "
                         "'ringddp'), fsdp2 (FSDP2 on gloo and on ringddp), or none (default both)")
     p.add_argument("--first-bucket-mb", type=float, default=None, help="cap of our first bucket (default: the bucket cap; torch uses 1)")
+    p.add_argument("--zero", type=_parse_stages, default=(), help="comma list of ZeRO stages (1, 2, 3) to add, ours and torch's")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer of every variant (default sgd)")
     p.add_argument("--grad-view", action="store_true",
                    help="both DDPs with gradient_as_bucket_view=True: gradients live in the buckets (no copy in or out)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
@@ -595,7 +767,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         p.error(f"--backend {a.backend}: this benchmark runs on CPU tensors")
     cfg = Config(
         world_size=a.world_size, width=a.width, layers=a.layers, batch=a.batch, bucket_mb=a.bucket_mb, comm_hooks=a.comm_hook,
-        torch_stacks=a.torch_stacks, first_bucket_mb=a.first_bucket_mb, grad_view=a.grad_view, warmup=a.warmup, rounds=a.rounds, steps=a.steps, lr=a.lr,
+        torch_stacks=a.torch_stacks, first_bucket_mb=a.first_bucket_mb, grad_view=a.grad_view, zero=a.zero, optimizer=a.optimizer, warmup=a.warmup,
+        rounds=a.rounds, steps=a.steps, lr=a.lr,
         backend=a.backend, threads=a.threads, seed=a.seed, timeout=a.timeout,
     )  # fmt: skip
     return cfg, a
@@ -619,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     print("async return (µs to return from an async 4 KiB all_reduce, median; idle / behind a 16 MiB one): "
           + "; ".join(f"{name} {v['idle_us']:.0f} / {v['busy_us']:.0f}" for name, v in summary["async_return_us"].items()))
+    if cfg.zero:
+        print(f"\nper rank and step: bytes sent and memory held (MiB, tensor accounting), {cfg.optimizer} optimizer")
+        print(format_zero_table(summary))
     sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:

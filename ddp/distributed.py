@@ -184,24 +184,13 @@ class DistributedDataParallel(nn.Module):
             self._names.append(name + (f" (= {', '.join(others)})" if others else ""))
         if not self._params:
             log.warning("DistributedDataParallel: the module has no trainable parameters")
+        numel = sum(p.numel() for p in self._params)  # before a sharded wrapper empties them
 
-        layout = assign_buckets(
-            [p.numel() * p.element_size() for p in self._params],
-            [(p.dtype, p.device) for p in self._params],
-            cap_from_mb(bucket_cap_mb),
-            None if first_bucket_cap_mb is None else cap_from_mb(first_bucket_cap_mb),
-        )
-        self._check_same_layout(layout)
+        layout = self._bucket_layout(self._params, bucket_cap_mb, first_bucket_cap_mb)
+        self._check_same_layout(self._agreement(self._params, self._names, layout))
         if init_sync:
             broadcast_tensors(list(module.parameters()) + list(module.buffers()), group=self.process_group)
-        self.reducer = Reducer(
-            self._params,
-            self._names,
-            layout,
-            self.process_group,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-        )
+        self.reducer = self._make_reducer(self._params, self._names, layout)
         self.join_context: Join | None = None  # inside join(): the context to notify at each forward
         self._require_sync = True  # False inside no_sync()
         self._forward_sync = True  # _require_sync as it was at the last forward with grad enabled
@@ -213,9 +202,10 @@ class DistributedDataParallel(nn.Module):
         for i, p in enumerate(self._params):
             self._hook_handles.append(p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)))
         log.info(
-            "DistributedDataParallel: %d parameters (%s elements) in %d buckets over %d ranks",
+            "%s: %d parameters (%s elements) in %d buckets over %d ranks",
+            type(self).__name__,
             len(self._params),
-            f"{sum(p.numel() for p in self._params):,}",
+            f"{numel:,}",
             len(layout),
             self.world_size,
         )
@@ -305,25 +295,54 @@ class DistributedDataParallel(nn.Module):
             h.remove()
         self._hook_handles.clear()
 
-    # ------------------------------------------------------------------ construction checks
+    # ------------------------------------------------------------------ construction steps
+    # The three methods below are the seams the sharded wrapper (ddp.ZeroDataParallel) overrides:
+    # its own layout (flat units), what the ranks must agree on (the stage too) and its Reducer.
 
-    def _check_same_layout(self, layout: list[list[int]]) -> None:
-        """Every rank must hold the same parameters in the same buckets: compare a checksum.
+    def _bucket_layout(
+        self, params: list[nn.Parameter], bucket_cap_mb: float, first_bucket_cap_mb: float | None
+    ) -> list[list[int]]:
+        """Buckets as lists of indices into ``params``, in launch order (``assign_buckets``)."""
+        return assign_buckets(
+            [p.numel() * p.element_size() for p in params],
+            [(p.dtype, p.device) for p in params],
+            cap_from_mb(bucket_cap_mb),
+            None if first_bucket_cap_mb is None else cap_from_mb(first_bucket_cap_mb),
+        )
+
+    def _agreement(self, params: list[nn.Parameter], names: list[str], layout: list[list[int]]) -> dict[str, int]:
+        """What every rank must agree on, as named integers: here a checksum of the layout."""
+        text = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, params)] + layout)
+        return {"trainable parameters or the bucket layout": zlib.crc32(text.encode())}
+
+    def _make_reducer(self, params: list[nn.Parameter], names: list[str], layout: list[list[int]]) -> Reducer:
+        return Reducer(
+            params,
+            names,
+            layout,
+            self.process_group,
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+        )
+
+    def _check_same_layout(self, items: dict[str, int]) -> None:
+        """Every rank must agree on ``items`` (:meth:`_agreement`): compare them across ranks.
 
         A mismatch (different model, different bucket cap) would otherwise pair all-reduces of
-        different sizes; all ranks see the same gathered checksums, so all raise together.
+        different sizes; all ranks see the same gathered values, so all raise together. It is the
+        first collective a wrapper makes.
         """
-        text = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)] + layout)
         device = self._params[0].device if self._params else _group_device(self.module)
-        mine = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64, device=device)
-        gathered = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        mine = torch.tensor(list(items.values()), dtype=torch.int64, device=device)
+        gathered = torch.empty(self.world_size * len(items), dtype=torch.int64, device=device)
         collectives.all_gather_into_tensor(gathered, mine, group=self.process_group)
-        if not bool((gathered == gathered[0]).all()):
-            raise RuntimeError(
-                "DistributedDataParallel: the ranks disagree on the trainable parameters or the bucket "
-                f"layout (checksums per rank: {gathered.tolist()}); build the same model with the same "
-                "arguments on every rank"
-            )
+        per_rank = gathered.view(self.world_size, len(items)).t().tolist()
+        for (what, _), values in zip(items.items(), per_rank):
+            if len(set(values)) > 1:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the ranks disagree on the {what} (per rank: {values}); build the "
+                    "same model with the same arguments on every rank"
+                )
 
 
 def _make_hook(self_ref: "weakref.ref[DistributedDataParallel]", index: int):

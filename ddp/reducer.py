@@ -13,6 +13,12 @@ registers one hook per parameter; every hook call lands here. The Reducer owns t
 * the comm hook: by default a bucket is reduced with ``all_reduce(AVG, async_op=True)``; with
   :meth:`Reducer.register_comm_hook` the hook decides (see ``ddp/comm_hooks.py``).
 
+The Reducer drives its buckets only through ``fill``, ``start``, ``complete`` (``keep=False``
+when it drains a pass whose backward raised) and ``write_back``
+(plus ``index``, ``param_indices``, ``params`` and ``info``), so another kind of bucket can take
+the same path through the backward pass: ``make_bucket`` builds them and ``retire_early`` bounds
+how many are in flight (``ddp/zero/buckets.py`` reduce-scatters into per-rank shards that way).
+
 One bucket's life in a pass::
 
     hooks fill it: missing 3 -> 2 -> 1 -> 0   complete; launched once every earlier bucket is
@@ -138,6 +144,46 @@ class Bucket:
             view.copy_(p.grad)
             p.grad = view
 
+    def start(self, reducer: Reducer, is_last: bool) -> Work | torch.futures.Future:
+        """Start reducing the (complete) bucket: the built-in AVG all-reduce, or the comm hook."""
+        if self.buffer.device.type == "cuda":
+            # The gradients were written by kernels queued on this thread's stream; the
+            # communication thread must not read the buffer before they ran.
+            torch.cuda.current_stream(self.buffer.device).synchronize()
+        hook = reducer.comm_hook
+        if hook is None:
+            with trace.label(f"all_reduce bucket {self.index}"):
+                return collectives.all_reduce(self.buffer, ReduceOp.AVG, group=reducer.group, async_op=True)
+        with trace.label(f"{_hook_name(hook)} bucket {self.index}"):
+            future = hook(reducer.comm_state, GradBucket(self, is_last))
+        if not isinstance(future, torch._C.Future):  # the base of torch.futures.Future, and what .then() returns
+            raise TypeError(
+                f"DistributedDataParallel: comm hook {_hook_name(hook)} returned {type(future).__name__} for bucket "
+                f"{self.index}; a hook must return a torch.futures.Future whose value is the reduced flat tensor, "
+                "e.g. collectives.all_reduce(t, async_op=True).get_future().then(lambda fut: fut.value()[0])"
+            )
+        return future
+
+    def complete(self, pending: Work | torch.futures.Future, reducer: Reducer, keep: bool = True) -> None:
+        """Wait for what :meth:`start` returned; afterwards the buffer holds the reduced gradients
+        (``keep=False``: the pass is being discarded, only wait)."""
+        buffer = self.buffer
+        if isinstance(pending, Work):
+            pending.wait()
+            return
+        value = pending.wait()
+        if not keep:
+            return
+        if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel() or value.dtype != buffer.dtype:
+            got = f"a {value.dtype} tensor of {value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(
+                f"DistributedDataParallel: the future of comm hook {_hook_name(reducer.comm_hook)} for bucket "
+                f"{self.index} holds {got}; expected the reduced flat tensor ({buffer.dtype}, "
+                f"{buffer.numel()} elements), like bucket.buffer()"
+            )
+        if value.data_ptr() != buffer.data_ptr():
+            buffer.copy_(value.reshape(-1))
+
     def write_back(self, as_view: bool, used_anywhere: list[bool] | None) -> None:
         """The reduced buffer -> every parameter's ``.grad``.
 
@@ -221,47 +267,16 @@ class _Reduction:
     def __init__(self, bucket: Bucket):
         self.bucket = bucket
         self.missing = len(bucket.param_indices)
-        self.pending: Work | torch.futures.Future | None = None
+        self.pending: Work | torch.futures.Future | None = None  # set by launch, cleared by wait
 
     def launch(self, reducer: Reducer, is_last: bool) -> None:
-        """Start reducing the (complete) bucket: the built-in AVG all-reduce, or the comm hook."""
-        bucket = self.bucket
-        if bucket.buffer.device.type == "cuda":
-            # The gradients were written by kernels queued on this thread's stream; the
-            # communication thread must not read the buffer before they ran.
-            torch.cuda.current_stream(bucket.buffer.device).synchronize()
-        hook = reducer.comm_hook
-        if hook is None:
-            with trace.label(f"all_reduce bucket {bucket.index}"):
-                self.pending = collectives.all_reduce(bucket.buffer, ReduceOp.AVG, group=reducer.group, async_op=True)
-            return
-        with trace.label(f"{_hook_name(hook)} bucket {bucket.index}"):
-            future = hook(reducer.comm_state, GradBucket(bucket, is_last))
-        if not isinstance(future, torch._C.Future):  # the base of torch.futures.Future, and what .then() returns
-            raise TypeError(
-                f"DistributedDataParallel: comm hook {_hook_name(hook)} returned {type(future).__name__} for bucket "
-                f"{bucket.index}; a hook must return a torch.futures.Future whose value is the reduced flat tensor, "
-                "e.g. collectives.all_reduce(t, async_op=True).get_future().then(lambda fut: fut.value()[0])"
-            )
-        self.pending = future
+        self.pending = self.bucket.start(reducer, is_last)
 
-    def wait(self, reducer: Reducer) -> None:
-        """Wait for the reduction; afterwards the bucket's buffer holds the reduced gradients."""
-        pending, buffer = self.pending, self.bucket.buffer
-        assert pending is not None
-        if isinstance(pending, Work):
-            pending.wait()
-            return
-        value = pending.wait()
-        if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel() or value.dtype != buffer.dtype:
-            got = f"a {value.dtype} tensor of {value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(
-                f"DistributedDataParallel: the future of comm hook {_hook_name(reducer.comm_hook)} for bucket "
-                f"{self.bucket.index} holds {got}; expected the reduced flat tensor ({buffer.dtype}, "
-                f"{buffer.numel()} elements), like bucket.buffer()"
-            )
-        if value.data_ptr() != buffer.data_ptr():
-            buffer.copy_(value.reshape(-1))
+    def wait(self, reducer: Reducer, keep: bool = True) -> None:
+        """Wait for the reduction (once; later calls do nothing); ``keep=False`` discards its result."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.bucket.complete(pending, reducer, keep)
 
 
 class _Pass:
@@ -288,6 +303,13 @@ class Reducer:
         group: the group to reduce over.
         find_unused_parameters, gradient_as_bucket_view: as documented on
             :class:`~ddp.DistributedDataParallel`.
+        make_bucket: ``make_bucket(index, param_indices)`` builds bucket ``index``; default a
+            :class:`Bucket` (a persistent flat buffer, all-reduced). Any object with the same
+            methods works (see the module docstring).
+        retire_early: when a bucket receives its first gradient of a pass, first wait for every
+            reduction already launched. Buckets whose buffers live only while they are reduced
+            then hold at most one filling and one reducing buffer at a time, at the price of
+            overlapping each reduction with the gradients of the next bucket only.
 
     Attributes:
         buckets: the :class:`Bucket` objects, in launch order.
@@ -304,13 +326,18 @@ class Reducer:
         *,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        make_bucket: Callable[[int, list[int]], Bucket] | None = None,
+        retire_early: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
         self.group = group
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.buckets = [Bucket(b, idx, self.params, self.names, self._bucket_buffer) for b, idx in enumerate(layout)]
+        self.retire_early = retire_early
+        if make_bucket is None:
+            make_bucket = lambda b, idx: Bucket(b, idx, self.params, self.names, self._bucket_buffer)  # noqa: E731
+        self.buckets = [make_bucket(b, list(idx)) for b, idx in enumerate(layout)]
         self._slot_of: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
@@ -389,9 +416,12 @@ class Reducer:
     def _arrive(self, index: int) -> None:
         """Put parameter ``index``'s gradient into its bucket; launch whatever became launchable."""
         bucket, slot = self._slot_of[index]
-        bucket.fill(slot, self.gradient_as_bucket_view)
         p = self._pass
         assert p is not None
+        if self.retire_early and p.reductions[bucket.index].missing == len(bucket.param_indices):
+            for r in p.reductions[: p.next_launch]:  # this bucket's first gradient: retire the launched ones
+                r.wait(self)
+        bucket.fill(slot, self.gradient_as_bucket_view)
         p.arrived[index] = True
         p.reductions[bucket.index].missing -= 1
         # Strictly in bucket order, the same on every rank: our collectives pair by order.
@@ -407,7 +437,7 @@ class Reducer:
         for r in self._pass.reductions:
             if r.pending is not None:
                 try:
-                    r.wait(self)
+                    r.wait(self, keep=False)
                 except Exception as exc:  # noqa: BLE001 - best effort, the pass is discarded
                     log.warning("discarded reduction of bucket %d failed: %s", r.bucket.index, exc)
         self._pass = None
@@ -464,7 +494,7 @@ class Reducer:
 
     def _all_reduce_used(self) -> list[bool]:
         """Which parameters got a gradient on at least one rank (one small all-reduce)."""
-        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+        device = self.params[0].device if self.params else torch.device("cpu")
         flags = torch.tensor(self._used, dtype=torch.int32, device=device)
         collectives.all_reduce(flags, ReduceOp.MAX, group=self.group)
         return [bool(f) for f in flags.tolist()]

@@ -8,11 +8,15 @@ inside scikit-learn, so nothing is downloaded::
 
     python -m ddp.train                              # 2 local CPU processes, bucketed DDP
     python -m ddp.train --world-size 4 --data scatter --accum 2 --trace trace.json --plot loss.png
+    python -m ddp.train --zero 3                     # ZeRO-3: parameters, gradients and state sharded
     python -m ddp.train --torch-ddp                  # torch's own DDP, on backend "ringddp" (our collectives)
     torchrun --nproc_per_node=2 -m ddp.train         # ranks from torchrun's environment
 
-At the end every rank compares its parameters with rank 0's (bitwise) and the job fails if any
-differ.
+``--zero 1|2|3`` trains the same model with :class:`ddp.ZeroDataParallel` and
+:class:`ddp.ZeroRedundancyOptimizer` instead (``--zero 0``, the default, is the DDP above). Every
+run logs what each rank holds for parameters, gradients and optimizer state (tensor accounting,
+:func:`ddp.zero.memory_report`). At the end every rank compares its parameters with rank 0's
+(bitwise; at stage 3 inside ``summon_full_params``) and the job fails if any differ.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from data import DistributedSampler, ScatterDataset
 from .distributed import DistributedDataParallel
 from .naive import all_reduce_gradients
 from .sync import broadcast_module, broadcast_tensors
+from .zero import ZeroDataParallel, ZeroRedundancyOptimizer, memory_report
 
 log = logging.getLogger("ddp.train")
 
@@ -56,6 +61,7 @@ class Config:
     bucket_mb: float = 0.05
     naive: bool = False
     torch_ddp: bool = False
+    zero: int = 0
     accum: int = 1
     data: str = "sampler"
     seed: int = 0
@@ -163,11 +169,17 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     elif cfg.torch_ddp:  # torch's own DDP; its collectives reach ours through torch.distributed
         group = tdist.new_group(backend="ringddp", pg_options=torch_backend.Options(backend=cfg.backend))
         model = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cfg.bucket_mb)
+    elif cfg.zero:
+        model = ZeroDataParallel(model, stage=cfg.zero, bucket_cap_mb=cfg.bucket_mb)
     else:
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
-        if rank == 0:
-            log.info("bucket layout (%d buckets, launched in this order):\n%s", len(model.buckets), model.describe_buckets())
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    if rank == 0 and not cfg.naive:
+        what = "units" if cfg.zero == 3 else "buckets"
+        log.info("%s layout (%d %s, launched in this order):\n%s", what[:-1], len(model.buckets), what, model.describe_buckets())
+    if cfg.zero:
+        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=cfg.lr, momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     loader, set_epoch = _loader(cfg, rank, world_size, x_train, y_train)
 
     # Every rank must take the same number of steps (a scatter shard may be one row shorter).
@@ -202,6 +214,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
                             all_reduce_gradients(model)
                         with trace.span("optimizer step", "train"):
                             optimizer.step()
+                            memory = memory_report(model, optimizer)  # gradients and state are all there now
                             optimizer.zero_grad()
                 epoch_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64, device=device)
                 if bar is not None:
@@ -220,7 +233,9 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
                 log.info("epoch %2d/%d  train loss %.4f  test accuracy %5.1f%%", epoch + 1, cfg.epochs, mean_loss, 100 * accuracy)
     elapsed = time.perf_counter() - started
 
-    identical = _identical_parameters(model)
+    with model.summon_full_params() if cfg.zero == 3 else contextlib.nullcontext():  # type: ignore[operator]
+        identical = _identical_parameters(model)
+    memory_per_rank = _gather_json(dataclasses.asdict(memory), device)
     events = _gather_json(tracer.export(), device) if tracer is not None else None
     if not identical:
         raise RuntimeError(f"rank {rank}: parameters differ between ranks after training")
@@ -229,12 +244,13 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     summary = {
         "world_size": world_size,
         "backend": cfg.backend,
-        "mode": "naive" if cfg.naive else "torch's" if cfg.torch_ddp else "bucketed",
+        "mode": "naive" if cfg.naive else "torch's" if cfg.torch_ddp else f"ZeRO-{cfg.zero}" if cfg.zero else "bucketed",
         "data": cfg.data,
         "epochs": epochs,
         "final_test_accuracy": epochs[-1]["test_accuracy"] if epochs else 0.0,
         "seconds": elapsed,
         "identical_parameters": identical,
+        "memory_per_rank": memory_per_rank,
     }
     if cfg.trace and events is not None:
         trace.write_chrome_trace(cfg.trace, events)
@@ -285,6 +301,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--hidden", type=int, default=256, help="width of the hidden layers")
     p.add_argument("--bucket-mb", type=float, default=0.05, help="DDP bucket size in MiB (small model: small buckets)")
     p.add_argument("--naive", action="store_true", help="average gradients after backward instead of bucketed DDP")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO stage: 0 = DDP (default), 1 shards the optimizer state, 2 also the gradients, 3 also the parameters")
     p.add_argument("--torch-ddp", action="store_true",
                    help="train with torch's own DistributedDataParallel on the torch.distributed backend 'ringddp'")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (no_sync in between)")
@@ -297,8 +315,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
     a = p.parse_args(argv)
     if a.world_size < 1 or a.epochs < 1 or a.batch_size < 1 or a.accum < 1:
         p.error("--world-size, --epochs, --batch-size and --accum must be >= 1")
-    if a.torch_ddp and (a.naive or device_type_of(a.backend) != "cpu"):
-        p.error("--torch-ddp runs torch's DDP on the CPU backend 'ringddp': not with --naive or a CUDA --backend")
+    if a.naive and a.zero:
+        p.error("--naive and --zero exclude each other (the naive form is stage 0 without buckets)")
+    if a.torch_ddp and (a.naive or a.zero or device_type_of(a.backend) != "cpu"):
+        p.error("--torch-ddp runs torch's DDP on the CPU backend 'ringddp': not with --naive, --zero or a CUDA --backend")
     if device_type_of(a.backend) == "cuda":
         if not torch.cuda.is_available():
             p.error(f"--backend {a.backend} needs CUDA GPUs (nccl-cupy: pip install 'ringddp[cuda]')")
@@ -306,7 +326,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
             p.error(f"--data scatter ships CPU tensors; use --data sampler with --backend {a.backend}")
     return Config(
         world_size=a.world_size, backend=a.backend, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
-        hidden=a.hidden, bucket_mb=a.bucket_mb, naive=a.naive, torch_ddp=a.torch_ddp, accum=a.accum, data=a.data, seed=a.seed,
+        hidden=a.hidden, bucket_mb=a.bucket_mb, naive=a.naive, torch_ddp=a.torch_ddp, zero=a.zero, accum=a.accum,
+        data=a.data, seed=a.seed,
         timeout=a.timeout, trace=a.trace, plot=a.plot, verbose=a.verbose,
     )  # fmt: skip
 
@@ -318,13 +339,30 @@ def main(argv: list[str] | None = None) -> int:
     summary = next((r for r in results if r is not None), None)
     if summary is None:
         return 0  # under torchrun: only rank 0's process reports
+    log.info("%s", format_memory(summary["memory_per_rank"], summary["mode"]))
+    mode = summary["mode"] if summary["mode"].startswith("ZeRO") else f"{summary['mode']} DDP"
     log.info(
-        "done: %d ranks (%s backend, %s DDP, %s data) trained %d epochs in %.1fs; parameters identical on every "
+        "done: %d ranks (%s backend, %s, %s data) trained %d epochs in %.1fs; parameters identical on every "
         "rank; final test accuracy %.1f%%",
-        summary["world_size"], summary["backend"], summary["mode"], summary["data"], len(summary["epochs"]),
+        summary["world_size"], summary["backend"], mode, summary["data"], len(summary["epochs"]),
         summary["seconds"], 100 * summary["final_test_accuracy"],
     )  # fmt: skip
     return 0
+
+
+def format_memory(per_rank: list[dict[str, Any]], mode: str) -> str:
+    """The per-rank memory table the job prints (MiB, by tensor accounting; peaks during a step)."""
+
+    def cell(held: int, peak: int | None) -> str:
+        return f"{held / 2**20:.3f}" + (f" (peak {peak / 2**20:.3f})" if peak is not None and peak != held else "")
+
+    rows = [("rank", "parameters", "gradients", "optimizer state")]
+    for r, m in enumerate(per_rank):
+        rows.append((str(r), cell(m["params"], m["params_peak"]), cell(m["grads"], m["grads_peak"]), cell(m["optimizer"], None)))
+    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+    lines = [f"memory per rank after the last step, {mode} (MiB, tensor accounting):"]
+    lines += ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -69,10 +69,15 @@ FLOORS: list[tuple[str, ...]] = [
     ("data.sampler",),
     ("data.scatter",),
     ("data.compare", "data"),
-    # ddp: layout and state sync, then the reducer, then the module wrapper
-    ("ddp.bucket", "ddp.sync"),
-    ("ddp.naive", "ddp.reducer", "ddp.join"),
-    ("ddp.comm_hooks", "ddp.distributed"),
+    # ddp: layout and state sync, then the reducer, then the module wrapper; ZeRO on top of both
+    ("ddp.bucket", "ddp.sync", "ddp.zero.flat"),
+    ("ddp.naive", "ddp.reducer", "ddp.join", "ddp.zero.units"),
+    ("ddp.comm_hooks", "ddp.distributed", "ddp.zero.buckets", "ddp.zero.schedule"),
+    ("ddp.zero.memory",),
+    ("ddp.zero.model",),
+    ("ddp.zero.optimizer",),
+    ("ddp.zero.checkpoint",),
+    ("ddp.zero",),
     ("ddp",),
     ("ddp.train", "ddp.bench"),
 ]

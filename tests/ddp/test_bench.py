@@ -23,7 +23,7 @@ def test_bench_smoke(tmp_path, capsys):
 
     summary = json.loads(out.read_text())
     rows = {r["name"]: r for r in summary["rows"]}
-    assert set(rows) == {"torch DDP", "torch DDP ringddp", "FSDP2 gloo", "FSDP2 ringddp", "ours 25 MB", "ours 0 MB",
+    assert set(rows) == {"torch DDP", "torch DDP ringddp", "torch FSDP2", "torch FSDP2 ringddp", "ours 25 MB", "ours 0 MB",
                          "local (no comm)"}
     assert summary["params"] == 2 * (64 * 64 + 64)
     for row in rows.values():
@@ -31,11 +31,12 @@ def test_bench_smoke(tmp_path, capsys):
         for key in ("step_ms", "forward_ms", "backward_ms", "optim_ms", "speed_vs_torch"):
             assert math.isfinite(row[key]) and row[key] > 0, (row["name"], key, row[key])
         assert row["step_min_ms"] <= row["step_ms"] <= row["step_max_ms"]
-    for name in ("torch DDP", "torch DDP ringddp", "FSDP2 gloo", "FSDP2 ringddp", "ours 25 MB", "ours 0 MB"):
+    for name in ("torch DDP", "torch DDP ringddp", "torch FSDP2", "torch FSDP2 ringddp", "ours 25 MB", "ours 0 MB"):
         assert rows[name]["in_sync"], name
     assert rows["torch DDP"]["speed_vs_torch"] == pytest.approx(1.0)
-    assert rows["FSDP2 gloo"]["speed_vs_torch"] == pytest.approx(1.0)  # the FSDP2 rows compare with each other
-    assert rows["FSDP2 ringddp"]["speed_vs_torch"] == pytest.approx(rows["FSDP2 gloo"]["step_ms"] / rows["FSDP2 ringddp"]["step_ms"])
+    assert rows["torch FSDP2"]["speed_vs_torch"] == pytest.approx(1.0)  # the FSDP2 rows compare with each other
+    assert rows["torch FSDP2 ringddp"]["speed_vs_torch"] == pytest.approx(
+        rows["torch FSDP2"]["step_ms"] / rows["torch FSDP2 ringddp"]["step_ms"])
     # torch's DDP over ringddp hands our collectives every gradient once (measured by tracing)
     assert rows["torch DDP ringddp"]["comm_mib"] == pytest.approx(rows["torch DDP"]["comm_mib"])
     for name in ("gloo", "ringddp"):
@@ -107,3 +108,29 @@ def test_comm_hook_list_parsing():
     assert bench._parse_stacks("none") == () and bench._parse_stacks("fsdp2") == ("fsdp2",)
     with pytest.raises(Exception):
         bench._parse_stacks("ddp,zero")
+
+
+@pytest.mark.timeout(180)
+def test_bench_zero_rows_traffic_and_memory(tmp_path, capsys):
+    out = tmp_path / "zero.json"
+    argv = [
+        "--world-size", "2", "--width", "64", "--layers", "2", "--batch", "8", "--zero", "1,2,3", "--optimizer", "adam",
+        "--warmup", "0", "--rounds", "1", "--steps", "1", "--timeout", "60", "--quiet", "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) >= {"ours ZeRO-1", "ours ZeRO-2", "ours ZeRO-3", "torch ZeRO-1", "torch FSDP2 ZeRO-2", "torch FSDP2"}
+    mib = 2 * (64 * 64 + 64) * 4 / 2**20  # parameter bytes
+    sent = {name: rows[name]["sent_mib"] / mib for name in rows if rows[name]["sent_mib"] is not None}
+    # the seed's table on a ring of 2: DDP, ZeRO-1 and ZeRO-2 send 2(n-1)/n = 1 x the parameters, ZeRO-3 1.5 x
+    for name in ("ours 25 MB", "ours ZeRO-1", "ours ZeRO-2", "torch DDP", "torch FSDP2 ZeRO-2"):
+        assert sent[name] == pytest.approx(1.0, rel=1e-3), name
+    for name in ("ours ZeRO-3", "torch FSDP2", "torch ZeRO-1"):  # torch's ZeRO-1 broadcasts on top of DDP
+        assert sent[name] == pytest.approx(1.5, rel=1e-3), name
+    memory = {name: rows[name]["memory_mib"] for name in rows}
+    for stage in (1, 2, 3):  # Adam's two moments: half of DDP's at 2 ranks (+ step counters)
+        assert memory[f"ours ZeRO-{stage}"]["optimizer"] <= memory["ours 25 MB"]["optimizer"] / 2 * 1.05
+    assert memory["ours ZeRO-2"]["grads"] == pytest.approx(mib / 2) and memory["ours ZeRO-3"]["params"] == pytest.approx(mib / 2)
+    assert all(r["in_sync"] for r in rows.values() if r["kind"] != "local")
+    assert rows["ours ZeRO-3"]["vs_ddp"] > 0 and rows["torch FSDP2"]["speed_vs_torch"] == pytest.approx(1.0)
+    assert "sent MB" in capsys.readouterr().out

@@ -63,6 +63,23 @@ def test_torch_ddp_on_the_ringddp_backend_trains_like_ours():
 def test_bad_arguments_are_rejected():
     out = run_train("--world-size", "0")
     assert out.returncode == 2 and "--world-size" in out.stderr
+    out = run_train("--naive", "--zero", "2")
+    assert out.returncode == 2 and "--zero" in out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_zero3_job_trains_and_prints_memory_per_rank():
+    out = run_train("--epochs", "2", "--zero", "3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "unit layout (4 units" in out.stderr and "(auto backend, ZeRO-3, sampler data)" in out.stderr
+    table = out.stderr.split("memory per rank after the last step, ZeRO-3")[1].splitlines()[1:4]
+    assert table[0].split() == ["rank", "parameters", "gradients", "optimizer", "state"]
+    # 85,514 float32 parameters (334 KiB); each rank holds its half of them, of their gradients
+    # and of the momentum buffer: 42,757 elements = 0.163 MiB
+    for r, line in enumerate(table[1:]):
+        cells = line.split()
+        assert cells[0] == str(r) and cells[1] == cells[4] == cells[-1] == "0.163", line  # held (peak ...)
+    assert final_accuracy(out) > 90.0
 
 
 def _losses(out: subprocess.CompletedProcess) -> list[float]:
