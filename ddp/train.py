@@ -173,7 +173,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
         model = ZeroDataParallel(model, stage=cfg.zero, bucket_cap_mb=cfg.bucket_mb)
     else:
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
-    if rank == 0 and not cfg.naive:
+    if rank == 0 and not (cfg.naive or cfg.torch_ddp):  # torch's DDP keeps its layout to itself
         what = "units" if cfg.zero == 3 else "buckets"
         log.info("%s layout (%d %s, launched in this order):\n%s", what[:-1], len(model.buckets), what, model.describe_buckets())
     if cfg.zero:

@@ -488,7 +488,7 @@ def worker(rank: int, world: int, launch: str, ckpt_dir: str) -> dict[str, Any]:
         if where != launch:
             continue
         group = None if size == world else collectives.new_group(list(range(size)), backend=backend)
-        if size == world or group is not None:
+        if size == world or not collectives.is_non_member(group):
             out["cases"][run] = train_cases(rank, size, cases_for(size), group)
     if "torch" in extras:
         out["torch_zero1"] = torch_zero1_case(rank, world)
