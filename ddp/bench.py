@@ -38,9 +38,10 @@ optimizer state twice the parameters: what ZeRO shards first). A second table th
 variant and rank, the bytes sent per step and the memory held, by tensor accounting
 (``ddp.zero.memory_report``; see "Reading the second table").
 
-``--grad-view`` builds both DDPs with ``gradient_as_bucket_view=True``: the gradients are views
-into the buckets, so neither copies them into a bucket before the all-reduce nor back after it
-(two copies of the gradients per step; on shared memory these are a large part of the cost).
+Our DDP runs with its default ``gradient_as_bucket_view=True``: the gradients are views into the
+buckets, so it does not copy them back after the all-reduce (a copy of every gradient per step;
+on shared memory a large part of the cost). ``--grad-view`` gives torch's DDP rows the same
+setting (torch's default is False).
 
 ``--comm-hook`` (comma list of ``none``, ``allreduce``, ``fp16``, ``bf16``) repeats the two DDP
 kinds per comm hook: ours with ``ddp.comm_hooks.<hook>``, torch's with the same hook from
@@ -452,10 +453,7 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     for mb in cfg.bucket_mb:
         for hook in cfg.comm_hooks:
             suffix = "" if hook == "none" else f" {hook}"
-            model = DistributedDataParallel(
-                copy.deepcopy(base), bucket_cap_mb=mb, first_bucket_cap_mb=cfg.first_bucket_mb,
-                gradient_as_bucket_view=cfg.grad_view,
-            )
+            model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb, first_bucket_cap_mb=cfg.first_bucket_mb)
             if hook != "none":
                 model.register_comm_hook(None, _hooks(hook)[0])
             name = f"ours {_mb_label(mb)} MB{suffix}"
@@ -746,7 +744,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--zero", type=_parse_stages, default=(), help="comma list of ZeRO stages (1, 2, 3) to add, ours and torch's")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer of every variant (default sgd)")
     p.add_argument("--grad-view", action="store_true",
-                   help="both DDPs with gradient_as_bucket_view=True: gradients live in the buckets (no copy in or out)")
+                   help="torch's DDP rows with gradient_as_bucket_view=True too (ours has it by default): no copy out of the buckets")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--steps", type=int, default=3, help="steps of each variant per round (default 3)")

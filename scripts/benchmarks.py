@@ -375,9 +375,10 @@ Linear(2048), 16.8 M parameters, batch 64 per rank, 2 ranks) with torch's
 - `sync`: `ok` when every rank ended with bitwise identical parameters.
 
 Our DDP keeps its CPU buckets in symmetric memory, so on `shm` (the default, `auto`, on one host)
-each bucket's all-reduce reads the peers' buckets in place; `--grad-view` (both DDPs with
-`gradient_as_bucket_view=True`) also drops the copies into and out of the buckets. `--json` and
-`--plot` save everything; column details are in `ddp/bench.py`."""
+each bucket's all-reduce reads the peers' buckets in place, and its `.grad` tensors are views
+into the buckets (`gradient_as_bucket_view=True`, our default), so nothing is copied back after
+the all-reduce; `--grad-view` gives torch's DDP the same setting. `--json` and `--plot` save
+everything; column details are in `ddp/bench.py`."""
 
 _DDP_P2P = """\
 The same on the `p2p` backend (our ring over gloo point-to-point), no comm hook:"""

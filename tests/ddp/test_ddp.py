@@ -165,8 +165,9 @@ def _cases_2() -> list[dict]:
         cases.append(_case(f"per-param-{opt}", opt=opt, ddp={"bucket_cap_mb": 0}, expect_buckets=6))
     cases += [
         _case("first-bucket-cap", opt="sgd", ddp={"bucket_cap_mb": 25, "first_bucket_cap_mb": 0}, expect_buckets=2),
-        _case("view", ddp={"bucket_cap_mb": SEVERAL_MB, "gradient_as_bucket_view": True}, set_to_none=False),
-        _case("view-set-to-none", opt="sgd", ddp={"bucket_cap_mb": SEVERAL_MB, "gradient_as_bucket_view": True}),
+        _case("view", ddp={"bucket_cap_mb": SEVERAL_MB}, set_to_none=False),  # .grad in the buckets: the default
+        _case("copy", ddp={"bucket_cap_mb": SEVERAL_MB, "gradient_as_bucket_view": False}, set_to_none=False),
+        _case("copy-set-to-none", opt="sgd", ddp={"bucket_cap_mb": SEVERAL_MB, "gradient_as_bucket_view": False}),
         _case("frozen", model="frozen", ddp={"bucket_cap_mb": SEVERAL_MB}),
         _case("unused", model="unused", branch="rank0", ddp={"bucket_cap_mb": 0, "find_unused_parameters": True}),
         _case(
@@ -174,12 +175,13 @@ def _cases_2() -> list[dict]:
             model="unused",
             branch="rank0",
             opt="sgd",
-            ddp={"bucket_cap_mb": 25, "find_unused_parameters": True, "gradient_as_bucket_view": True},
+            ddp={"bucket_cap_mb": 25, "find_unused_parameters": True, "gradient_as_bucket_view": False},
         ),
         _case("tied", model="tied", ddp={"bucket_cap_mb": 0}),
         _case("batchnorm", model="bn", opt="sgd", ddp={"bucket_cap_mb": 0}),
         _case("no-sync", micro=3, ddp={"bucket_cap_mb": SEVERAL_MB}),
-        _case("no-sync-view", micro=2, opt="sgd", ddp={"bucket_cap_mb": 0, "gradient_as_bucket_view": True}, set_to_none=False),
+        _case("no-sync-view", micro=2, opt="sgd", ddp={"bucket_cap_mb": 0}, set_to_none=False),
+        _case("no-sync-copy", micro=2, opt="sgd", ddp={"bucket_cap_mb": 0, "gradient_as_bucket_view": False}),
         _case("no-sync-naive", micro=2, form="naive"),
     ]
     return cases
@@ -203,7 +205,7 @@ def _cases_torch() -> list[dict]:
         _case("naive-sgd", form="naive", opt="sgd"),
         _case("several-adamw", ddp={"bucket_cap_mb": SEVERAL_MB}),
         _case("unused", model="unused", branch="rank0", ddp={"bucket_cap_mb": 0, "find_unused_parameters": True}),
-        _case("no-sync-view", micro=2, ddp={"bucket_cap_mb": 0, "gradient_as_bucket_view": True}),
+        _case("no-sync-copy", micro=2, ddp={"bucket_cap_mb": 0, "gradient_as_bucket_view": False}),
     ]
 
 
@@ -263,7 +265,7 @@ def run_case(case: dict, rank: int, group) -> dict:
             ddp.all_reduce_gradients(model, group=group)
         else:
             overlapped.append(wrapped.last_stats.launched_during_backward)
-            if case["ddp"].get("gradient_as_bucket_view"):
+            if case["ddp"].get("gradient_as_bucket_view", True):
                 for bucket in wrapped.reducer.buckets:
                     for p, view in zip(bucket.params, bucket.views):
                         if p.grad is not None:
