@@ -1,6 +1,9 @@
-"""``Work.get_future()``: a ``torch.futures.Future`` with torch's value and error semantics."""
+"""Work handles and the group queue: futures with torch's value and error semantics, callbacks that chain
+collectives, the inline, queued and async paths, and waits that leave the GIL."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -136,3 +139,80 @@ def test_future_callbacks_may_issue_and_wait_on_collectives(pools):
     total = sum(range(1, n + 1))
     for res in pools(n).run(_chained):
         assert res == [float(total * 10 * n * n)] * 3 + [float(sum(range(n)))]
+
+
+def _paths(rank: int, world_size: int) -> dict:
+    """The same all_reduce three ways: inline (blocking, queue idle), queued (blocking behind an
+    async call) and async; then a peer that stays away, so each way times out."""
+    import collectives as c
+
+    x = torch.arange(1000, dtype=torch.float64) * (rank + 1) + 0.1 * rank
+    inline, queued, background = x.clone(), x.clone(), x.clone()
+    c.all_reduce(inline)
+    ahead = c.all_reduce(torch.ones(1 << 16), async_op=True)  # the blocking call below queues behind it
+    c.all_reduce(queued)
+    ahead.wait()
+    c.all_reduce(background, async_op=True).wait()
+    errors = []
+    for how in ("inline", "queued", "async"):
+        g = c.new_group(timeout=1)  # a failed collective breaks its group: one per attempt
+        if rank == 1:
+            errors.append(None)
+            c.barrier()  # rank 1 never joins g's all_reduce; it waits here until rank 0 timed out
+            continue
+        started = time.monotonic()
+        try:
+            if how == "inline":
+                c.all_reduce(torch.ones(4), group=g)
+            elif how == "queued":
+                first = c.all_reduce(torch.ones(4), group=g, async_op=True)
+                c.all_reduce(torch.ones(4), group=g)
+                first.wait()
+            else:
+                c.all_reduce(torch.ones(4), group=g, async_op=True).wait()
+        except c.CollectiveError as exc:  # spin, then sleep in poll, then the 1 s deadline
+            errors.append((type(exc).__name__, exc.op, exc.peer, 1.0 <= time.monotonic() - started < 4.0))
+        c.barrier()
+    return {"inline": inline, "queued": queued, "async": background, "errors": errors}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "p2p"])
+def test_inline_queued_and_async_paths_agree(backend):
+    """Results bitwise equal whichever way a call runs; the same error (type, op, peer) too, at
+    the group's deadline: a waiter spins, then sleeps, and still wakes for its deadline."""
+    results = collectives.launch(_paths, 2, backend=backend, timeout=20, join_timeout=90)
+    for r in results:
+        assert torch.equal(r["inline"], r["queued"]) and torch.equal(r["inline"], r["async"])
+    assert torch.equal(results[0]["inline"], results[1]["inline"])
+    assert results[0]["errors"] == [("CollectiveTimeoutError", "all_reduce", 1, True)] * 3  # named, at the deadline
+
+
+def _gil_while_waiting(rank: int, world_size: int) -> int:
+    """Rank 0's communication thread waits 1.5 s for rank 1; the main thread counts meanwhile.
+    With a switch interval of 2 s, a waiting thread that held the GIL would stop the count."""
+    import sys
+    import time as _time
+
+    import collectives as c
+
+    c.all_reduce(torch.ones(4))  # set up: the wait below is on the control block, not the store
+    if rank == 1:
+        _time.sleep(1.5)
+        c.all_reduce(torch.ones(4))
+        return 0
+    sys.setswitchinterval(2.0)
+    start = _time.perf_counter()
+    work = c.all_reduce(torch.ones(4), async_op=True)  # its thread spins briefly, then sleeps in poll
+    _time.sleep(0.2)  # past the spin; the main thread needs the GIL back to go on
+    count, end = 0, start + 0.7  # a fixed window, long before rank 1 comes at 1.5 s
+    while _time.perf_counter() < end:
+        count += 1
+    work.wait()
+    return count
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_communication_thread_leaves_the_gil():
+    counted = collectives.launch(_gil_while_waiting, 2, backend="shm", timeout=20, join_timeout=50)[0]
+    assert counted > 10_000, counted  # a GIL-holding waiter would leave it at 0 until the peer came
