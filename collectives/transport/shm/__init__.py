@@ -12,7 +12,7 @@ for messages *to* its owner, and the owner's *region*, two halves the shared-mem
 (10 MiB per rank at 2 ranks, 14 MiB at 4, 56 MiB for a 4-rank job). ``RINGDDP_SHM_REGION_BYTES``,
 ``RINGDDP_SHM_SLOT_BYTES``, ``RINGDDP_SHM_SLOTS`` change it and ``RINGDDP_SHM_CMA=0`` turns
 single-copy reads off (rank 0's values are used by every rank); ``RINGDDP_SHM_SPIN_US`` sets the
-spin before a wait sleeps. A file system too small fails on every rank with
+spin before a caller's wait sleeps (a communication thread's is fixed and short, see ``waiting.py``). A file system too small fails on every rank with
 :class:`ShmUnavailableError` naming the size needed and the fixes.
 
 One concept per file, lowest first (each imports only files listed before it):
