@@ -447,21 +447,22 @@ def render_summary(data: dict[str, dict[str, Any]]) -> str:
                          f"{row['ours_us']:,.0f} µs | {row['shm_us']:,.0f} µs | {row['shm_vs_torch']:.2f}× |")
     summary = ddp["result"]
     cfg = summary["config"]
-    rows = {(r["kind"], r["comm_hook"], r["bucket_mb"]): r for r in summary["rows"]}
+    rows = {(r["name"], r["bucket_mb"]): r for r in summary["rows"]}
     lines += ["", f"| step, {cfg['layers']} × Linear({cfg['width']}), {cfg['world_size']} ranks | torch's, on gloo | "
                   "torch's, on `ringddp` | ringddp DDP (`shm`, 25 MiB buckets) |",
               "|---|---:|---:|---:|"]
 
-    def cell(kind: str, hook: str, bucket_mb: float | None = None) -> str:
-        row = rows.get((kind, hook, bucket_mb))
+    def cell(name: str, bucket_mb: float | None = None) -> str:
+        row = rows.get((name, bucket_mb))
         if row is None:
             return "—"
-        vs = "" if kind in ("torch", "fsdp2") else f" ({row['speed_vs_torch']:.2f}×)"
+        vs = f" ({row['speed_vs_torch']:.2f}×)" if row["kind"] != "torch" else ""
         return f"{row['step_ms']:.1f} ms{vs}"
 
-    for hook, label in (("none", "DDP, no comm hook"), ("fp16", "DDP, fp16 compression hook")):
-        lines.append(f"| {label} | {cell('torch', hook)} | {cell('torch-ringddp', hook)} | {cell('ours', hook, 25.0)} |")
-    lines.append(f"| FSDP2 (`fully_shard` per layer) | {cell('fsdp2', 'none')} | {cell('fsdp2-ringddp', 'none')} | — |")
+    for hook, label in (("", "DDP, no comm hook"), (" fp16", "DDP, fp16 compression hook")):
+        lines.append(f"| {label} | {cell('torch DDP' + hook)} | {cell('torch DDP ringddp' + hook)} | "
+                     f"{cell('ours 25 MB' + hook, 25.0)} |")
+    lines.append(f"| FSDP2 (`fully_shard` per layer) | {cell('torch FSDP2')} | {cell('torch FSDP2 ringddp')} | — |")
     async_us = summary.get("async_return_us")
     if async_us:
         lines.append(f"| returning from an async 4 KiB all_reduce (idle / busy) | {async_us['gloo']['idle_us']:.0f} / "
