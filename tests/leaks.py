@@ -181,28 +181,38 @@ def tmpfs_used(path: str | os.PathLike) -> int:
 
 
 class PrivateTmpfs:
-    """``with PrivateTmpfs("64m") as fs:`` a tmpfs of the test's own at ``fs.path`` (skips the
-    test where mounting is not allowed).
+    """``with PrivateTmpfs("64m") as fs:`` a tmpfs of the test's own at ``fs.path``.
 
     ``fs.used()`` is the bytes its files hold: 0 exactly when every segment made in it has been
-    freed, since nothing else on the machine uses it. On leaving, it is unmounted (lazily, and
+    freed, since nothing else on the machine uses it. Where mounting is not allowed (not root)
+    the test is skipped, or with ``skip=False`` ``fs.available`` is False and ``fs.path`` empty
+    (the caller uses /dev/shm and checks less). On leaving, it is unmounted (lazily, and
     reported, if something still holds it) and its directory removed; an error raised inside
     the block is never masked by the clean-up.
     """
 
-    def __init__(self, size: str):
-        self.size = size
+    def __init__(self, size: str, skip: bool = True):
+        self.size, self.skip = size, skip
         self.path = ""
+        self.available = False
+        self.why_not = ""
 
     def __enter__(self) -> "PrivateTmpfs":
         if os.geteuid() != 0 or shutil.which("mount") is None:
-            pytest.skip("a private tmpfs needs root and mount")
-        self.path = tempfile.mkdtemp(prefix=f"{TMPFS_PREFIX}{session_id()}-")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", self.path],
+            return self._unavailable("a private tmpfs needs root and mount")
+        path = tempfile.mkdtemp(prefix=f"{TMPFS_PREFIX}{session_id()}-")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", path],
                               capture_output=True, text=True)
         if done.returncode != 0:
-            os.rmdir(self.path)
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+            os.rmdir(path)
+            return self._unavailable(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        self.path, self.available = path, True
+        return self
+
+    def _unavailable(self, why: str) -> "PrivateTmpfs":
+        if self.skip:
+            pytest.skip(why)
+        self.why_not = why
         return self
 
     def used(self) -> int:
@@ -216,6 +226,8 @@ class PrivateTmpfs:
         return used
 
     def __exit__(self, kind, value, tb) -> None:
+        if not self.available:
+            return
         busy = ""
         done = subprocess.run(["umount", self.path], capture_output=True, text=True)
         if done.returncode != 0:
