@@ -159,6 +159,15 @@ MUTANTS = (
         ("tests/collectives/test_shm.py::test_float_sums_are_bitwise_identical_and_in_rank_order[3]",),
     ),
     Mutant(
+        "single-copy-never-used",
+        "README: large broadcast/scatter/... transfers copy once, straight from the owner's tensor, with "
+        "process_vm_readv where the set-up probe finds it allowed (the probe's flag stays on here)",
+        "collectives/shm_algorithms.py",
+        "    return regions.cma and nbytes >= CMA_BYTES[op]\n",
+        "    return False  # MUTANT: always through the regions\n",
+        ("tests/collectives/test_shm_cma.py::test_large_transfers_are_read_with_process_vm_readv",),
+    ),
+    Mutant(
         "non-contiguous-write-back-dropped",
         "README, Every shape: non-contiguous views are handled through a contiguous copy",
         "collectives/api.py",
