@@ -69,6 +69,13 @@ def survivors(text: str) -> dict[tuple[int, str], Survivor]:
     return found
 
 
+def failure_text(exc: BaseException) -> str:
+    """What ``launch`` said about a failed job: the exception re-raised (the first rank's to fail:
+    a survivor's ``RuntimeError`` or, when the death arrived first, a ``LaunchError``) with its
+    notes, which list every failed rank."""
+    return "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+
+
 def run_script(tmp_path: Path, text: str, *args: str, timeout: float = 120, env: dict | None = None
                ) -> subprocess.CompletedProcess:
     """Run ``text`` as a script in a session of its own; whatever happens, its process group
