@@ -20,8 +20,9 @@ import datetime
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..errors import CollectiveError
 from ..group import destroy_process_group
@@ -30,7 +31,8 @@ from ..launch import LaunchError, Report, join_local, raise_failure, read_report
 log = logging.getLogger(__name__)
 
 
-def _worker(rank: int, size: int, port: int, backend: str | None, timeout: float, level: int, conn) -> None:
+def _worker(rank: int, size: int, port: int, backend: str | None, timeout: float, level: int, env, conn) -> None:
+    os.environ.update(env)
     try:
         join_local(rank, size, port, backend, timeout, level)
         send_report(conn, Report("ready"))
@@ -63,6 +65,8 @@ class WorkerPool:
         timeout: the collectives' wait deadline inside the ranks (seconds); keep it short in tests
             so that a hang becomes an error quickly.
         job_timeout: how long :meth:`run` waits for all ranks before declaring the pool stuck.
+        env: environment variables set in every rank before it joins, at every (re)start
+            (e.g. ``{"RINGDDP_SHM_REGION_BYTES": "2048"}``).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class WorkerPool:
         timeout: float = 20.0,
         job_timeout: float = 60.0,
         log_level: int = logging.WARNING,
+        env: Mapping[str, str] | None = None,
     ):
         if world_size < 1:
             raise ValueError(f"WorkerPool: world_size must be >= 1, got {world_size}")
@@ -80,6 +85,7 @@ class WorkerPool:
         self.timeout = timeout
         self.job_timeout = job_timeout
         self.log_level = log_level
+        self.env = {str(k): str(v) for k, v in (env or {}).items()}
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Any] = []
         self._store = None
@@ -91,7 +97,8 @@ class WorkerPool:
             parent_end, child_end = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, self._store.port, self.backend, self.timeout, self.log_level, child_end),
+                args=(rank, self.world_size, self._store.port, self.backend, self.timeout, self.log_level, self.env,
+                      child_end),
                 name=f"ringddp-pool-rank{rank}",
             )
             p.start()

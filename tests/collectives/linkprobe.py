@@ -89,7 +89,13 @@ def measure(net, pings: int = 50, nbytes: int = 0, timeout: float = TIMEOUT_S) -
             if arg:
                 argv = [sys.executable, "-I", __file__, mode, address, str(arg), str(timeout)]
                 client = net.popen(0, argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-                out, _ = client.communicate(timeout=2 * timeout + 10)
+                try:
+                    out, _ = client.communicate(timeout=2 * timeout + 10)
+                finally:  # also when it timed out: no client outlives its measurement
+                    if client.poll() is None:
+                        client.kill()
+                    client.wait()
+                    client.stdout.close()
                 if client.returncode:
                     raise RuntimeError(f"probe {mode} from host 0 failed with code {client.returncode}")
                 result.update(json.loads(out))

@@ -86,7 +86,7 @@ def subgroups(rank, world_size):
     evens = collectives.new_group([0, 2])
     odds = collectives.new_group([1, 3])
     mine = evens if rank % 2 == 0 else odds
-    assert (evens is None) == (rank % 2 == 1) and (odds is None) == (rank % 2 == 0)
+    assert collectives.is_non_member(evens) == (rank % 2 == 1) and collectives.is_non_member(odds) == (rank % 2 == 0)
     t = torch.tensor([float(rank)])
     collectives.all_reduce(t, group=mine)
     w = torch.tensor([1.0])

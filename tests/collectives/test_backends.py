@@ -8,6 +8,7 @@ without touching the package.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -109,9 +110,28 @@ def test_registry_errors():
         backends.select_backend("auto", "meta", None, "all_reduce")
 
 
+@dataclasses.dataclass
+class Hosts:
+    """The part of ``transport.base.GroupInfo`` that ``auto``'s ``usable`` predicates read."""
+
+    hosts: list[str]
+    name: str = "test"
+
+    def size(self) -> int:
+        return len(self.hosts)
+
+
 def test_auto_defaults():
+    """README, Backends: ``auto`` picks, per device type, the usable backend of highest priority:
+    shm for CPU tensors when every rank is on one host, else p2p; nccl-cupy for CUDA."""
+    one_host, two_hosts = Hosts(["a", "a", "a"]), Hosts(["a", "a", "b"])
+    assert backends.select_backend("auto", "cpu", one_host).name == ("shm" if sys.platform == "linux" else "p2p")
+    assert backends.select_backend("auto", "cpu", two_hosts).name == "p2p"
+    for group in (one_host, two_hosts):
+        assert backends.select_backend("auto", "cuda", group).name == "nccl-cupy"
+    # without a group the predicates are skipped: the highest priority for the device type
+    assert backends.select_backend("auto", "cpu", None).name == "shm"
     assert backends.select_backend("auto", "cuda", None).name == "nccl-cupy"
-    assert backends.select_backend("auto", "cpu", None).auto_priority >= backends.get_backend("p2p").auto_priority
 
 
 def _auto_choice(g: collectives.Group) -> list[str]:

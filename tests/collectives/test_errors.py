@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
+from typing import Callable
 
 import pytest
 import torch
 
 import collectives
 from collectives import CollectiveError, CollectiveTimeoutError, LaunchError, ReduceOp
+from tests.collectives.faults import failure_text, survivor_line, survivors
 
 F = torch.float32
 
@@ -65,9 +68,13 @@ def test_bad_arguments_raise_before_traffic(pools):
             assert any(name in m for name in ("all_", "broadcast", "reduce", "scatter", "gather")), m
 
 
+BACKENDS = ["p2p", "shm"]
+
+
 def silent_peer(rank, world_size):
+    collectives.all_reduce(torch.ones(1))  # the transport is set up: the wait below is a collective's own
     if rank == 1:
-        time.sleep(6)  # never takes part in the all-reduce
+        time.sleep(3.5)  # never takes part in the all-reduce (the others time out at 2 s)
         return None
     start = time.monotonic()
     try:
@@ -82,31 +89,109 @@ def silent_peer(rank, world_size):
 
 
 @pytest.mark.timeout(120)
-def test_peer_that_never_sends_times_out_with_a_clear_error():
-    message, op, peer, elapsed, again = collectives.launch(silent_peer, 2, timeout=2.0, join_timeout=60)[0]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peer_that_never_sends_times_out_with_a_clear_error(backend):
+    """README, *No hangs*: every wait has a deadline; a timeout raises CollectiveTimeoutError
+    naming the collective and the peer rank; the group is then unusable and says so."""
+    message, op, peer, elapsed, again = collectives.launch(silent_peer, 2, backend=backend, timeout=2.0,
+                                                           join_timeout=60)[0]
     assert op == "all_reduce" and peer == 1
     assert "all_reduce" in message and "rank 1" in message and "timed out" in message
-    assert elapsed < 5.0
+    assert 2.0 - 0.1 <= elapsed < 5.0  # at the deadline: neither early nor much later
     assert "unusable" in again
 
 
-def dying_peer(rank, world_size):
+def dead_peer(rank, world_size):
+    """Rank 1 is SIGKILLed while the others wait for it in an all-reduce; each survivor reports."""
     collectives.barrier()
-    if rank == 2:
-        os._exit(3)
-    collectives.all_reduce(torch.ones(1 << 20))
-    return "finished"
+    if rank == 1:
+        time.sleep(0.5)  # the others are waiting in the all-reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        collectives.all_reduce(torch.ones(1 << 16))
+    except CollectiveError as exc:
+        again = lambda: collectives.all_reduce(torch.ones(1))  # noqa: E731
+        raise RuntimeError(survivor_line(rank, exc, time.monotonic() - start, again)) from None
+    return "no error"
 
 
 @pytest.mark.timeout(120)
-def test_dead_peer_makes_the_others_fail_fast():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_peer_makes_the_others_fail_fast(backend):
+    """README, *No hangs*: a dead peer raises CollectiveError naming the collective and the peer
+    rank (not the deadline's CollectiveTimeoutError: the deadline is 10 s here and every survivor
+    must raise within 5 s); the group is then unusable and says so."""
+    with pytest.raises((LaunchError, RuntimeError)) as info:  # whichever failure the launcher saw first
+        collectives.launch(dead_peer, 3, backend=backend, timeout=10.0, join_timeout=100)
+    text = failure_text(info.value)
+    assert "rank 1 died without reporting (killed by signal 9)" in text, text
+    found = {rank: s for (rank, _), s in survivors(text).items()}
+    assert sorted(found) == [0, 2], text
+    for s in found.values():
+        assert s.kind == "CollectiveError" and s.op == "all_reduce" and s.seconds < 5.0, found
+        assert f"rank {s.peer}" in s.message and "unusable" in s.next_call, found
+    assert any(s.peer == 1 for s in found.values()), found
+
+
+def _p2p_wait(kind: str, group) -> Callable[[], object]:
+    """A point-to-point receive from rank 1 on ``group``, of the kind named."""
+    if kind == "recv":
+        return lambda: collectives.recv(torch.empty(4), src=1, group=group)
+    if kind == "irecv":
+        return lambda: collectives.irecv(torch.empty(4), src=1, group=group).wait()
+    return lambda: collectives.recv_object_list([None], src=1, group=group)
+
+
+P2P_WAITS = {0: "recv", 2: "irecv", 3: "recv_object_list"}  # which rank waits how for rank 1
+
+
+def point_to_point_deadlines(rank, world_size):
+    """Ranks 0, 2 and 3 receive from rank 1 (recv, irecv().wait(), recv_object_list): first while
+    rank 1 stays silent past a 2 s deadline, then on another group while rank 1 is SIGKILLed."""
+    silent = collectives.new_group(timeout=2.0)
+    dead = collectives.new_group(timeout=10.0)
+    lines = []
+    if rank != 1:
+        wait = _p2p_wait(P2P_WAITS[rank], silent)
+        start = time.monotonic()
+        try:
+            wait()
+            lines.append("silent: no error")
+        except CollectiveError as exc:
+            lines.append(survivor_line(rank, exc, time.monotonic() - start, wait, "silent"))
+    else:
+        time.sleep(3.5)  # silent past the others' deadline
+    collectives.barrier()
+    if rank == 1:
+        time.sleep(0.5)  # the others are waiting by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    wait = _p2p_wait(P2P_WAITS[rank], dead)
     start = time.monotonic()
-    with pytest.raises(LaunchError) as info:
-        collectives.launch(dying_peer, 3, timeout=60.0, join_timeout=100)
-    elapsed = time.monotonic() - start
-    text = str(info.value)
-    assert "rank 2 died" in text and "exit code 3" in text
-    # the survivors raised a communication error naming the collective, well before the 60 s timeout
-    assert "all_reduce" in text and "CollectiveError" in text
-    assert elapsed < 40, elapsed
-    assert info.value.failed_ranks[0] == 2
+    try:
+        wait()
+        lines.append("dead: no error")
+    except CollectiveError as exc:
+        lines.append(survivor_line(rank, exc, time.monotonic() - start, wait, "dead"))
+    raise RuntimeError(" ".join(lines))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_point_to_point_waits_have_deadlines_and_see_dead_peers(backend):
+    """README, *No hangs*: every wait has a deadline: ``recv``, ``irecv().wait()`` and
+    ``recv_object_list`` from a silent peer raise CollectiveTimeoutError at the group's timeout;
+    from a dead peer CollectiveError at once; both name the peer, and the group is then unusable."""
+    with pytest.raises((LaunchError, RuntimeError)) as info:
+        collectives.launch(point_to_point_deadlines, 4, backend=backend, timeout=20.0, join_timeout=30)
+    text = failure_text(info.value)
+    assert "rank 1 died without reporting (killed by signal 9)" in text, text
+    found = survivors(text)
+    assert sorted(found) == [(r, label) for r in (0, 2, 3) for label in ("dead", "silent")], text
+    for (rank, label), s in found.items():
+        assert s.peer == 1 and "rank 1" in s.message and "unusable" in s.next_call, s
+        assert s.op in ("recv", "irecv"), s  # recv_object_list receives with recv
+        if label == "silent":
+            assert s.kind == "CollectiveTimeoutError" and 2.0 - 0.1 <= s.seconds < 5.0, s
+        else:
+            assert s.kind == "CollectiveError" and s.seconds < 5.0, s

@@ -1,10 +1,11 @@
-"""Faults with real processes: a rank killed mid-collective, and mismatched calls in debug mode."""
+"""Faults with real processes: a rank killed mid-collective, mismatched calls (debug mode, more
+than 3 ranks), and the launcher's grace period for the other ranks."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import re
-import subprocess
+import signal
 import sys
 import time
 
@@ -12,13 +13,15 @@ import pytest
 import torch
 
 import collectives
-from collectives import CollectiveError, LaunchError
+from collectives import CollectiveError
+from tests import leaks
+from tests.collectives.faults import SURVIVOR_SOURCE, assert_all_gone, pids_in, run_script, survivors
 
 KILL_SCRIPT = """
 import os, signal, sys, threading, time
 import torch
 import collectives
-
+""" + SURVIVOR_SOURCE + """
 def job(rank, world_size, piddir):
     open(os.path.join(piddir, str(os.getpid())), "w").close()
     t = torch.ones(1 << 22)  # 16 MB: each all-reduce takes a while
@@ -30,52 +33,127 @@ def job(rank, world_size, piddir):
         for _ in range(10_000):
             collectives.all_reduce(t)
     except collectives.CollectiveError as exc:
-        raise RuntimeError(f"survivor {rank} failed after {time.monotonic() - start:.1f}s: op={exc.op} peer={exc.peer}: {exc}")
+        raise RuntimeError(survivor_line(rank, exc, time.monotonic() - start, lambda: collectives.barrier()))
     return "finished"
 
 if __name__ == "__main__":
-    collectives.launch(job, 4, sys.argv[1], timeout=10.0, join_timeout=120)
+    collectives.launch(job, 4, sys.argv[1], backend=sys.argv[2], timeout=float(sys.argv[3]), join_timeout=120)
 """
+
+#: the deadline each backend runs the kill under, and how soon every survivor must raise
+KILL_DEADLINE = {"shm": (10.0, 5.0), "p2p": (8.0, 8.0 + 4.0)}
 
 
 def process_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return leaks.alive(pid)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and SIGKILL")
-def test_rank_killed_mid_all_reduce(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(KILL_SCRIPT)
+@pytest.mark.parametrize("backend", ["shm", "p2p"])
+def test_rank_killed_mid_all_reduce(tmp_path, backend):
+    """A rank SIGKILLed during a stream of 16 MB all-reduces on 4 ranks: the launcher names it and
+    how it died; every survivor raises a CollectiveError naming the op and a peer, then finds the
+    group unusable; no rank process outlives the launcher.
+
+    shm (DESIGN, *Waiting*): the dead peer's socket reaches EOF, so every survivor raises at once,
+    a CollectiveError, not the deadline's timeout (10 s deadline, 5 s allowed). p2p relies on gloo
+    noticing the closed connection, which it usually does at once, but with 4 ranks it sometimes
+    leaves a send or receive to the dead rank pending until the deadline (README, *No hangs*), so
+    there only the deadline is asserted; test_errors.py holds p2p to "at once" where a survivor
+    is waiting for the peer that dies."""
+    deadline, within = KILL_DEADLINE[backend]
     piddir = tmp_path / "pids"
     piddir.mkdir()
     start = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, str(script), str(piddir)], capture_output=True, text=True, timeout=150,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )  # fmt: skip
+    out = run_script(tmp_path, KILL_SCRIPT, str(piddir), backend, str(deadline), timeout=150)
     elapsed = time.monotonic() - start
     err = out.stderr
     assert out.returncode != 0
     # the launcher names the dead rank and how it died
     assert "rank 2 died without reporting (killed by signal 9)" in err, err[-3000:]
-    # every survivor failed within the 10 s timeout with an error naming the op and a peer. Most
-    # see the closed connection at once (~0.3 s); gloo sometimes leaves a receive from the dead
-    # rank pending until the deadline, so "within the timeout" is the guarantee.
-    found = dict(re.findall(r"survivor (\d) failed after ([\d.]+)s: op=all_reduce peer=\d", err))
-    assert sorted(found) == ["0", "1", "3"], err[-3000:]
-    assert all(float(seconds) < 12 for seconds in found.values()), found
+    found = {rank: s for (rank, _), s in survivors(err).items()}
+    assert sorted(found) == [0, 1, 3], err[-3000:]
+    for s in found.values():
+        assert s.op == "all_reduce" and s.seconds < within and "unusable" in s.next_call, found
+        assert s.kind == "CollectiveError" or (backend == "p2p" and s.kind == "CollectiveTimeoutError"), found
     assert elapsed < 60, elapsed
     # no orphans: every rank process is gone
-    pids = [int(p.name) for p in piddir.iterdir()]
+    pids = pids_in(piddir)
     assert len(pids) == 4
-    time.sleep(0.5)
-    assert not [p for p in pids if process_alive(p)], "rank processes outlived the launcher"
+    assert_all_gone(pids)
+
+
+def one_rank_differs(rank, world_size):
+    """Rank 2 passes one element more than the others; when and how each rank failed."""
+    start = time.monotonic()
+    try:
+        collectives.all_reduce(torch.ones(1000 + (rank == 2)))
+    except CollectiveError as exc:
+        return type(exc).__name__, exc.op, str(exc), start, time.monotonic()
+    return "no error", None, "", start, time.monotonic()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["p2p", "shm"])
+def test_mismatch_at_more_than_three_ranks(backend):
+    """README, mismatched calls: with more than 3 ranks, the ranks next to the one that differs
+    raise at once and the others when their waits fail (p2p compares headers with ring
+    neighbours); on shm every rank compares every peer's published header, so every rank raises
+    the same kind of CollectiveError describing both calls, and the peers of the rank that found
+    it raise at their next wake-up (DESIGN, shm *Mismatches*), well within a second of each other."""
+    deadline = 10.0
+    results = collectives.launch(one_rank_differs, 4, backend=backend, timeout=deadline, join_timeout=90)
+    for rank, (kind, op, message, begun, ended) in enumerate(results):
+        assert kind in ("CollectiveError", "CollectiveTimeoutError") and op == "all_reduce", (rank, kind, message)
+        at_once = backend == "shm" or rank in (1, 2, 3)
+        if at_once:  # the ranks that see the difference: a description of both calls, long before the deadline
+            assert kind == "CollectiveError" and ended - begun < deadline / 2, (rank, kind, ended - begun, message)
+            assert "called a different collective" in message and "numel=1000" in message, (rank, message)
+            assert "numel=1001" in message, (rank, message)
+        else:
+            assert ended - begun < deadline + 3.0, (rank, kind, ended - begun)
+    if backend == "shm":
+        ends = [ended for *_, ended in results]
+        assert max(ends) - min(ends) < 1.0, ends
+
+
+def lingers(rank, world_size, marker, stop):
+    """Rank 0 fails at once; rank 1 (stopped with SIGSTOP if ``stop``) is still running 1 s later."""
+    collectives.barrier()
+    if rank == 0:
+        time.sleep(0.2)
+        with open(marker + ".failed", "w") as f:
+            f.write(repr(time.monotonic()))
+        raise ValueError("rank 0 fails")
+    if stop:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(1.0)
+    with open(marker + ".lingered", "w") as f:
+        f.write(repr(time.monotonic()))
+    time.sleep(60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [False, True], ids=["running", "stopped"])
+def test_launcher_grants_the_other_ranks_a_grace_period(tmp_path, stop):
+    """DESIGN, the launcher: when a rank raises, the others get a short grace period
+    (min(15 s, timeout + 5 s)) to notice, are then stopped, and the first exception is re-raised;
+    the grace is cut short once only stopped ranks (SIGSTOP) are left."""
+    marker, timeout = str(tmp_path / "rank"), 2.0
+    grace = min(15.0, timeout + 5.0)
+    with pytest.raises(ValueError, match="rank 0 fails"):
+        collectives.launch(lingers, 2, marker, stop, backend="p2p", timeout=timeout, join_timeout=100)
+    returned = time.monotonic()
+    failed = float(open(marker + ".failed").read())
+    if stop:
+        assert returned - failed < grace - 3.0, returned - failed
+        assert not os.path.exists(marker + ".lingered")  # stopped, then terminated: it never ran again
+    else:
+        assert os.path.exists(marker + ".lingered")  # not stopped at once
+        assert grace - 0.5 <= returned - failed < grace + 4.0, returned - failed
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("ringddp-rank")] == []
 
 
 def mismatched(rank, world_size, kind):

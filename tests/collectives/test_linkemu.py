@@ -1,8 +1,9 @@
 """The userspace link emulator (collectives.testing.linkemu) between namespace hosts.
 
 Spec parsing runs everywhere. The rest is marked `hosts` (`pytest -m hosts`): it needs root, `ip`
-and /dev/net/tun and skips with the reason elsewhere; every such test checks that no namespace,
-no forwarder and nothing in /dev/shm outlives it. Delay and rate are checked as lower bounds only
+and /dev/net/tun and skips with the reason elsewhere; after every such test, pass or fail, no
+namespace and no process it started (forwarder, probes, ranks, whose segments die with them)
+may remain, and whatever remains is removed. Delay and rate are checked as lower bounds only
 (a busy machine only ever adds time), with loose upper bounds.
 """
 
@@ -21,6 +22,7 @@ import torch
 import collectives
 from collectives.testing.hosts import HostNet, link_unavailable, netem_missing, sweep, unavailable
 from collectives.testing.linkemu import LinkSpec
+from tests import leaks
 
 from .linkprobe import measure
 
@@ -72,10 +74,6 @@ def _ours() -> list[str]:
     return [line.split()[0] for line in listing.splitlines() if line.startswith(f"rdh{os.getpid()}x")]
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
 def _gone(pid: int) -> bool:
     """No such process (reaped), or only a zombie of one."""
     try:
@@ -87,14 +85,22 @@ def _gone(pid: int) -> bool:
 
 @pytest.fixture
 def emulated_hosts():
-    """Skip unless the userspace emulator can run here; afterwards nothing of ours may remain."""
+    """Skip unless the userspace emulator can run here; afterwards, pass or fail, no namespace of
+    this process and no process the test started may remain (removed, then reported)."""
     reason = unavailable() or link_unavailable("netem delay 1ms", emulator="user")
     if reason:
         pytest.skip(reason)
-    shm_before = _shm()
+    before = set(leaks.session_processes())
     yield
-    assert not _ours(), f"namespaces left behind: {_ours()}"
-    assert _shm() <= shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+    deadline = time.monotonic() + 5
+    while (started := set(leaks.session_processes()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    spaces = _ours()
+    leaks.kill_all(started)
+    for ns in spaces:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert not spaces, f"namespaces left behind: {spaces}"
+    assert not started, f"processes left behind: {started}"
 
 
 hosts = pytest.mark.usefixtures("emulated_hosts")
@@ -196,21 +202,27 @@ time.sleep(600)
 def test_nothing_survives_a_killed_parent():
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    forwarder = None
     try:
         forwarder = int(holder.stdout.readline())
         listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert f"rdh{holder.pid}x0-h1" in listing and not _gone(forwarder)
-    finally:
+        holder.kill()
+        holder.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(forwarder) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(forwarder), "the forwarder outlived its parent"
+        sweep()  # (another run's sweep may have been first)
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"rdh{holder.pid}x" not in listing
+    finally:  # pass or fail: neither the holder, nor its forwarder, nor its namespaces stay
         holder.kill()
         holder.wait()
         holder.stdout.close()
-    deadline = time.monotonic() + 10
-    while not _gone(forwarder) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(forwarder), "the forwarder outlived its parent"
-    sweep()  # (another run's sweep may have been first)
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert f"rdh{holder.pid}x" not in listing
+        if forwarder is not None and not _gone(forwarder):
+            leaks.kill_all([forwarder])
+        sweep()
 
 
 @pytest.mark.hosts

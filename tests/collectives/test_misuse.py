@@ -330,6 +330,58 @@ def relevant(spec: dict) -> tuple:
     return tuple((k, str(spec[k])) for k in sorted(keep))
 
 
+def _data(rank: int, k: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """What rank ``rank`` passes (``salt``: which piece of a list)."""
+    return ((torch.arange(k) + 3 * rank + salt) % 4).to(dtype)
+
+
+def _fold(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rank 0's value ``op`` rank 1's, in plain torch (AVG: the sum divided by the 2 ranks)."""
+    if op == "SUM":
+        return a + b
+    if op == "AVG":
+        return (a + b) / 2
+    if op == "PRODUCT":
+        return a * b
+    return torch.minimum(a, b) if op == "MIN" else torch.maximum(a, b)
+
+
+def expected_spec(spec: dict, rank: int) -> list[torch.Tensor]:
+    """What :func:`run_spec` returns on ``rank`` when both ranks make call ``spec``, computed from
+    both ranks' inputs with plain torch operations (torch.distributed's documented semantics;
+    reduce leaves a non-root's tensor as it was, as DESIGN says of our engines)."""
+    c, dtype, m, root, op = spec["collective"], spec["dtype"], spec["numel"], spec["root"], spec["op"]
+    d = lambda q, k, salt=0: _data(q, k, dtype, salt)  # noqa: E731
+    if c == "barrier":
+        return []
+    if c == "all_reduce" or (c == "reduce" and rank == root):
+        return [_fold(op, d(0, m), d(1, m))]
+    if c == "reduce":
+        return [d(rank, m)]
+    if c == "broadcast":
+        return [d(root, m)]
+    if c == "all_gather":
+        return [d(0, m), d(1, m)]
+    if c == "all_gather_into_tensor":
+        return [torch.cat([d(0, m), d(1, m)])]
+    if c == "reduce_scatter":
+        return [_fold(op, d(0, m, rank), d(1, m, rank))]
+    if c == "reduce_scatter_tensor":
+        return [_fold(op, d(0, 2 * m)[rank * m : (rank + 1) * m], d(1, 2 * m)[rank * m : (rank + 1) * m])]
+    if c == "scatter":
+        return [d(root, m, rank)]
+    if c == "gather":
+        return [d(0, m), d(1, m)] if rank == root else []
+    splits = spec["splits"]  # splits[j][r]: rows rank j sends to rank r
+    if c == "all_to_all":
+        return [d(j, splits[j][rank], rank) for j in range(2)]
+    pieces = []
+    for j in range(2):
+        start = sum(splits[j][:rank])
+        pieces.append(d(j, 3 * sum(splits[j])).view(-1, 3)[start : start + splits[j][rank]])
+    return [torch.cat(pieces)]
+
+
 def run_spec(spec: dict, rank: int, group) -> list[torch.Tensor]:
     """Make call ``spec`` on ``group``; return what it wrote (or, off the root, what it read)."""
     c, dtype, m, root = spec["collective"], spec["dtype"], spec["numel"], spec["root"]
@@ -337,7 +389,7 @@ def run_spec(spec: dict, rank: int, group) -> list[torch.Tensor]:
         for field in ("small_bytes", "segment_bytes"):
             if spec[field] is not None:
                 setattr(group.tuning, field, spec[field])
-    data = lambda k, salt=0: ((torch.arange(k) + 3 * rank + salt) % 4).to(dtype)  # noqa: E731
+    data = lambda k, salt=0: _data(rank, k, dtype, salt)  # noqa: E731
     op = getattr(collectives.ReduceOp, spec["op"])
     alg = {"algorithm": spec["algorithm"]} if c in ALGORITHMS else {}
     if c == "barrier":
@@ -387,8 +439,8 @@ def run_spec(spec: dict, rank: int, group) -> list[torch.Tensor]:
     return [out]
 
 
-def _subgroup(backend: str | None = None):
-    return collectives.new_group([0, 1], timeout=4.0, backend=backend)
+def _subgroup(backend: str | None = None, timeout: float = 4.0):
+    return collectives.new_group([0, 1], timeout=timeout, backend=backend)
 
 
 def fuzz_cases(rank, world_size, seed, count):
@@ -398,13 +450,18 @@ def fuzz_cases(rank, world_size, seed, count):
 
     logging.getLogger("collectives.group").setLevel(logging.CRITICAL)  # one "unusable" line per mismatch
     rng = random.Random(seed)
-    reference = _subgroup("torch")
     outcomes = []
     for _ in range(count):
         a = random_spec(rng)
         b = mutate(a, rng)
         same = relevant(a) == relevant(b)
-        group = _subgroup()
+        # start each case together: a rank that raised at once must not begin the next case's 4 s
+        # set-up while its peer still waits out this one's deadline
+        collectives.barrier()
+        # 12 s, not 4: on p2p an agreeing call on a fresh subgroup sometimes waits more than 4 s
+        # for its peer's header on this machine (2 of 3 runs failed so at 4 s, none at 12 s);
+        # a mismatch still raises at once, so the deadline costs nothing when all is well
+        group = _subgroup(timeout=12.0)
         spec = a if rank == 0 else b
         try:
             got = run_spec(spec, rank, group)
@@ -416,8 +473,9 @@ def fuzz_cases(rank, world_size, seed, count):
             outcomes.append((f"other {type(exc).__name__}", same, str(exc)[:200]))
         else:
             if same:
-                expected = run_spec(spec, rank, reference)
-                exact = len(got) == len(expected) and all(torch.equal(x, y) for x, y in zip(got, expected))
+                expected = expected_spec(spec, rank)
+                exact = len(got) == len(expected) and all(
+                    x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, expected))
                 outcomes.append(("ok" if exact else "wrong", same, ""))
             else:
                 outcomes.append(("completed despite mismatch", same, f"A={relevant(a)} B={relevant(b)}"))
@@ -532,7 +590,24 @@ def named_mismatches_detail(rank, world_size):
         collectives.all_reduce(t, group=group)
         outcomes[name] = (*outcome, t.item() == 3.0)
         group.close()
+    for name, call in SHAPE_MISMATCHES.items():  # the same size, another shape: only DETAIL sees it
+        group = _subgroup()
+        try:
+            call(rank, group)
+            outcome = ("no error", "")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcome = (type(exc).__name__, str(exc))
+        t = torch.tensor([float(rank + 1)])
+        collectives.all_reduce(t, group=group)
+        outcomes[name] = (*outcome, t.item() == 3.0)
+        group.close()
     return outcomes, _healthy()
+
+
+SHAPE_MISMATCHES = {
+    "all_reduce (2, 4) vs (4, 2)": lambda rank, g: collectives.all_reduce(torch.ones((2, 4) if rank else (4, 2)), group=g),
+    "broadcast (8,) vs (2, 4)": lambda rank, g: collectives.broadcast(torch.ones((2, 4) if rank else (8,)), 0, group=g),
+}
 
 
 @pytest.mark.timeout(180)
@@ -540,15 +615,18 @@ def named_mismatches_detail(rank, world_size):
 def test_detail_catches_every_named_mismatch_and_the_group_survives(monkeypatch, backend):
     """docs/debugging.md: at DETAIL a mismatched call raises on every rank and the group stays
     usable; that includes what only the wire header compares (algorithm, Tuning, all-to-all bytes
-    per peer)."""
+    per peer) and what only DETAIL compares: a different shape of the same size."""
     monkeypatch.setenv("RINGDDP_DEBUG", "DETAIL")
     results = collectives.launch(named_mismatches_detail, 2, backend=backend, timeout=20.0, join_timeout=150)
     for rank, (outcomes, healthy) in enumerate(results):
         assert healthy
-        for name, ((_, _), field) in NAMED_MISMATCHES.items():
+        fields = {name: field for name, (_, field) in NAMED_MISMATCHES.items()} | dict.fromkeys(SHAPE_MISMATCHES, "shape")
+        for name, field in fields.items():
             kind, message, usable = outcomes[name]
             assert kind == "ValueError" and "ranks disagree on" in message and field in message, (rank, name, message)
             assert usable, (rank, name, "the group is unusable after the mismatch")
+        for name in SHAPE_MISMATCHES:  # README: "also for different shapes"; the element count agrees
+            assert "numel" not in outcomes[name][1].split("ranks disagree on")[1].split("(")[0], outcomes[name]
 
 
 def uneven_all_to_all(rank, world_size):

@@ -3,13 +3,13 @@
 Over ``shm`` every rank's symmetric tensor is mapped by every peer, and ``all_reduce`` on it (or
 on a slice of it) reads the peers' data in place (``shm_algorithms.all_reduce_symmetric``). Each
 slice is reduced in rank order by one rank, so the result equals, bit for bit, the fold
-``((x0 op x1) op x2) ...`` computed here from every rank's input.
+``((x0 op x1) op x2) ...`` computed here from every rank's input with plain torch operations
+(``ReduceOp`` docs: AVG is SUM then one division; on bool, SUM/MAX are OR and PRODUCT/MIN AND).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 import pytest
@@ -19,8 +19,7 @@ import torch.nn as nn
 import collectives
 from collectives import CollectiveError, ReduceOp
 from collectives import shm_algorithms
-from collectives.ops import combine, finish
-from tests.collectives.test_shm import small_tmpfs
+from tests.leaks import PrivateTmpfs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shared memory")
 
@@ -43,12 +42,22 @@ def _ops(dtype: torch.dtype) -> list[ReduceOp]:
     return ops + [ReduceOp.AVG] if dtype.is_floating_point else ops
 
 
+def _fold(op: ReduceOp, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a op b`` elementwise, in plain torch."""
+    if a.dtype is torch.bool:
+        return a | b if op in (ReduceOp.SUM, ReduceOp.MAX) else a & b
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        return a + b
+    if op is ReduceOp.PRODUCT:
+        return a * b
+    return torch.minimum(a, b) if op is ReduceOp.MIN else torch.maximum(a, b)
+
+
 def _expected(world_size: int, numel: int, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
-    out = _input(0, numel, dtype).clone()
+    out = _input(0, numel, dtype)
     for q in range(1, world_size):
-        combine(op, out, _input(q, numel, dtype), out=out)
-    finish(op, out, world_size)
-    return out
+        out = _fold(op, out, _input(q, numel, dtype))
+    return out / world_size if op is ReduceOp.AVG and world_size > 1 else out
 
 
 def _symmetric_buffers(group: collectives.Group) -> int:
@@ -142,10 +151,10 @@ def too_small_for_it(rank: int, world_size: int) -> tuple[int, float]:
 def test_file_system_too_small_falls_back_to_private_memory(monkeypatch):
     """2 transport segments (10 MiB each) + one 8 MiB segment fit; a second does not: both ranks
     agree on private memory, and the all-reduce is still right."""
-    with small_tmpfs("30m") as mountpoint:
-        monkeypatch.setenv("RINGDDP_SHM_DIR", mountpoint)
+    with PrivateTmpfs("30m") as fs:
+        monkeypatch.setenv("RINGDDP_SHM_DIR", fs.path)
         assert collectives.launch(too_small_for_it, 2, backend="shm", timeout=20, join_timeout=90) == [(0, 3.0)] * 2
-        assert os.listdir(mountpoint) == []
+        assert fs.wait_until_empty() == 0  # the segments, and the reservation that failed, are freed
 
 
 def ddp_matches_torch(rank: int, world_size: int) -> tuple[bool, bool]:

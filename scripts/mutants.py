@@ -1,0 +1,310 @@
+"""Mutant check: prove that the tests fail when a documented promise is broken.
+
+    python scripts/mutants.py              # every mutant (about 5 minutes on 2 cores)
+    python scripts/mutants.py --list       # the mutants, the promise each breaks, its tests
+    python scripts/mutants.py shm-dead-peer-unnoticed p2p-deadline-ignored   # some of them
+
+The working tree is copied to a temporary directory (without .git, .venv and caches). There,
+one at a time, each mutant replaces one exact piece of the library's source with a small
+breakage of a promise in README.md or docs/DESIGN.md, and the tests that stand for that promise
+run with this interpreter, the copy first on PYTHONPATH (spawned rank processes inherit it and
+import the mutated copy: the ``canary`` mutant, which breaks only rank processes, proves it).
+A mutant is *killed* when those tests fail; it *survives* when they pass. Before the mutants,
+the same tests run on the unmutated copy and must pass, so that a kill means something.
+
+Each mutant's source anchor must occur exactly once in its file: when a refactor moves the code,
+this script stops with an error naming the mutant instead of silently testing nothing.
+
+Exit status: 0 when every mutant is killed; 1 naming the survivors (and the ones that ran out of
+time: each run is limited to ``--limit`` seconds, default 60); 2 when an anchor is missing or the
+unmutated tests fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IGNORED = (".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info", ".mypy_cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    promise: str  # what the docs say, which this mutant breaks
+    path: str  # file, relative to the repository root
+    old: str  # exact text, found exactly once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must fail
+
+
+MUTANTS = (
+    Mutant(
+        "canary",
+        "(not a promise) rank processes import the mutated copy: every spawned rank fails to start",
+        "collectives/launch.py",
+        '    """Initialise collectives in a locally spawned rank whose store is at 127.0.0.1:``port``."""\n'
+        "    set_parent_death_signal()\n",
+        '    """Initialise collectives in a locally spawned rank whose store is at 127.0.0.1:``port``."""\n'
+        '    raise RuntimeError("MUTANT canary: this rank runs the mutated copy")\n',
+        ("tests/collectives/test_launch.py::test_results_by_rank_and_reraised_exceptions",),
+    ),
+    Mutant(
+        "shm-dead-peer-unnoticed",
+        "DESIGN, shm Waiting: the peer sockets reach EOF when a peer dies, even by SIGKILL: the waiter "
+        "raises CollectiveError naming the op and the dead peer",
+        "collectives/transport/shm/waiting.py",
+        "        self._dead.add(q)  # EOF or reset: the peer's process is gone\n",
+        "        pass  # MUTANT: EOF ignored, the peer is never counted dead\n",
+        ("tests/collectives/test_errors.py::test_dead_peer_makes_the_others_fail_fast[shm]",
+         "tests/collectives/test_shm.py::test_rank_killed_or_stopped_mid_collective[SIGKILL]",
+         "tests/collectives/test_faults.py::test_rank_killed_mid_all_reduce[shm]"),
+    ),
+    Mutant(
+        "p2p-dead-peer-unnoticed",
+        "README, No hangs: a dead peer raises CollectiveError naming the collective and the peer rank",
+        "collectives/transport/torch_p2p.py",
+        "        except RuntimeError as exc:\n"
+        "            raise self._transport.error(exc, self._kind, self._peer) from exc\n",
+        "        except RuntimeError as exc:\n"
+        "            import time; time.sleep(self._transport.timeout)  # MUTANT: a failure is noticed at the deadline\n"
+        '            raise self._transport.error(RuntimeError("Timed out (mutant)"), self._kind, self._peer) from exc\n',
+        ("tests/collectives/test_errors.py::test_dead_peer_makes_the_others_fail_fast[p2p]",
+         "tests/collectives/test_errors.py::test_point_to_point_waits_have_deadlines_and_see_dead_peers[p2p]"),
+    ),
+    Mutant(
+        "shm-deadline-ignored",
+        "README, No hangs: every wait has a deadline; a timeout raises CollectiveTimeoutError naming the "
+        "collective and the peer",
+        "collectives/transport/shm/waiting.py",
+        "        deadline = time.monotonic() + self.timeout\n",
+        "        deadline = time.monotonic() + 1000 * self.timeout  # MUTANT\n",
+        ("tests/collectives/test_errors.py::test_peer_that_never_sends_times_out_with_a_clear_error[shm]",),
+    ),
+    Mutant(
+        "p2p-deadline-ignored",
+        "README, No hangs: every wait has a deadline (collectives, recv, irecv().wait(), recv_object_list)",
+        "collectives/transport/torch_p2p.py",
+        "        self.wait_timeout = datetime.timedelta(seconds=timeout)\n",
+        "        self.wait_timeout = datetime.timedelta(seconds=1000 * timeout)  # MUTANT\n",
+        ("tests/collectives/test_errors.py::test_peer_that_never_sends_times_out_with_a_clear_error[p2p]",
+         "tests/collectives/test_errors.py::test_point_to_point_waits_have_deadlines_and_see_dead_peers[p2p]"),
+    ),
+    Mutant(
+        "group-not-marked-broken",
+        "README, No hangs: after a timeout or a dead peer the group is unusable and says so",
+        "collectives/group.py",
+        "        if self._broken is None:\n            self._broken = str(error)\n",
+        "        if self._broken is None:\n            pass  # MUTANT: the group never learns it failed\n",
+        ("tests/collectives/test_errors.py::test_dead_peer_makes_the_others_fail_fast[shm]",
+         "tests/collectives/test_errors.py::test_peer_that_never_sends_times_out_with_a_clear_error[p2p]"),
+    ),
+    Mutant(
+        "shm-segment-never-released",
+        "DESIGN, shm Segments: the segments stay mapped until the transport closes (then nothing holds "
+        "them: no fd, no mapping)",
+        "collectives/transport/shm/rendezvous.py",
+        "            for f in {fd, *fds.values()}:\n                os.close(f)\n",
+        "            for f in {fd, *fds.values()}:\n                pass  # MUTANT: the segments' fds are never closed\n",
+        ("tests/collectives/test_shm.py::test_segments_are_released_when_the_group_is_destroyed",),
+    ),
+    Mutant(
+        "p2p-wire-check-skipped",
+        "README, mismatched calls: at the default level (CHECK) a mismatch raises a CollectiveError on "
+        "every rank describing both calls (gloo tags and the header exchange)",
+        "collectives/transport/torch_p2p.py",
+        "            if header is None or self.world_size == 1:\n",
+        "            if True:  # MUTANT: every collective runs unchecked\n",
+        ("tests/collectives/test_faults.py::test_default_level_turns_a_size_mismatch_into_a_collective_error",
+         "tests/collectives/test_misuse.py::test_named_mismatches_raise_collective_error_on_every_rank[p2p]"),
+    ),
+    Mutant(
+        "shm-wire-check-skipped",
+        "DESIGN, shm Mismatches: each slot carries its message's tag and every rank compares headers, "
+        "so data of another call is never read: the receiver raises",
+        "collectives/transport/shm/wirecheck.py",
+        '        numbered and, once attached, published."""\n        if header is None:\n',
+        '        numbered and, once attached, published."""\n        if True:  # MUTANT: every collective runs unchecked\n',
+        ("tests/collectives/test_shm.py::test_wire_check_names_both_calls_without_a_message_of_its_own[dtype over messages]",
+         "tests/collectives/test_faults.py::test_mismatch_at_more_than_three_ranks[shm]"),
+    ),
+    Mutant(
+        "shm-one-shot-order-differs-on-one-rank",
+        "README: all_reduce is bitwise identical on every rank, also for floating-point sums (every rank "
+        "folds the regions in rank order)",
+        "collectives/shm_algorithms.py",
+        "        _reduce_into(op, buf, [regions.view(q, h, buf.dtype, buf.numel()) for q in everyone])\n",
+        "        _reduce_into(op, buf, [regions.view(q, h, buf.dtype, buf.numel())\n"
+        "                               for q in (reversed(everyone) if r == 1 else everyone)])  # MUTANT\n",
+        ("tests/collectives/test_shm.py::test_float_sums_are_bitwise_identical_and_in_rank_order[3]",),
+    ),
+    Mutant(
+        "shm-two-shot-slice-in-reverse-order",
+        "DESIGN, shm_algorithms: rank r combines slice r of every rank in rank order 0, 1, ..., n-1 (the "
+        "result is still identical on every rank: only a torch-computed fold notices)",
+        "collectives/shm_algorithms.py",
+        "            operands = [piece[a:b] if q == r else regions.view(q, h, buf.dtype, b)[a:b] for q in everyone]\n",
+        "            operands = [piece[a:b] if q == r else regions.view(q, h, buf.dtype, b)[a:b]\n"
+        "                        for q in (reversed(everyone) if r == 1 else everyone)]  # MUTANT\n",
+        ("tests/collectives/test_shm.py::test_float_sums_are_bitwise_identical_and_in_rank_order[3]",),
+    ),
+    Mutant(
+        "single-copy-never-used",
+        "README: large broadcast/scatter/... transfers copy once, straight from the owner's tensor, with "
+        "process_vm_readv where the set-up probe finds it allowed (the probe's flag stays on here)",
+        "collectives/shm_algorithms.py",
+        "    return regions.cma and nbytes >= CMA_BYTES[op]\n",
+        "    return False  # MUTANT: always through the regions\n",
+        ("tests/collectives/test_shm_cma.py::test_large_transfers_are_read_with_process_vm_readv",),
+    ),
+    Mutant(
+        "non-contiguous-write-back-dropped",
+        "README, Every shape: non-contiguous views are handled through a contiguous copy",
+        "collectives/api.py",
+        "        if kind is None and self.write_back and not t.is_contiguous():\n            t.copy_(self.flat.view_as(t))\n",
+        "        if kind is None and self.write_back and not t.is_contiguous():\n            pass  # MUTANT: the result stays in the copy\n",
+        ("tests/collectives/test_misuse.py::test_requires_grad_tensors_are_accepted_like_torch",),
+    ),
+    Mutant(
+        "subgroup-runs-on-the-world",
+        "README: collectives on subgroups (new_group) involve the group's ranks only",
+        "collectives/group.py",
+        "        return None\n    return get_group(group)\n",
+        "        return None\n    return get_group(None)  # MUTANT: every collective runs on the default group\n",
+        ("tests/collectives/test_all_reduce.py::test_subgroups",
+         "tests/collectives/test_groups.py::test_overlapping_async_subgroups"),
+    ),
+    Mutant(
+        "launcher-no-grace-period",
+        "DESIGN, the launcher: when a rank raises, the others get a short grace period to notice",
+        "collectives/launch.py",
+        "    return 15.0 if timeout is None else min(15.0, timeout + 5.0)\n",
+        "    return 0.0  # MUTANT\n",
+        ("tests/collectives/test_faults.py::test_launcher_grants_the_other_ranks_a_grace_period[running]",),
+    ),
+)
+
+
+def copy_tree(dest: Path) -> None:
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(*IGNORED), symlinks=True)
+
+
+def environment(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no cached bytecode can outlive a mutation
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], limit: float) -> tuple[str, float, str]:
+    """Run ``tests`` in ``copy``: ("passed" | "failed" | "error" | "timeout", seconds, output)."""
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *tests]
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=copy, env=environment(copy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=limit)
+        status = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
+    except subprocess.TimeoutExpired:
+        status, out = "timeout", ""
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # pytest, its launchers and their ranks
+        except OSError:
+            pass
+        proc.wait()
+    return status, time.monotonic() - start, out or ""
+
+
+def failed_tests(output: str) -> list[str]:
+    return re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, flags=re.M)
+
+
+def check_anchors(copy: Path, mutants: list[Mutant]) -> list[str]:
+    problems = []
+    for m in mutants:
+        text = (copy / m.path).read_text()
+        count = text.count(m.old)
+        if count != 1:
+            problems.append(f"{m.name}: its anchor occurs {count} times in {m.path} (expected exactly once): {m.old!r}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--limit", type=float, default=60.0, help="seconds each run of tests may take (default 60)")
+    p.add_argument("--no-baseline", action="store_true", help="skip running the tests on the unmutated copy")
+    args = p.parse_args(argv)
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        p.error(f"unknown mutants {unknown}; known: {', '.join(known)}")
+    mutants = [known[n] for n in args.names] if args.names else list(MUTANTS)
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}\n  breaks: {m.promise}\n  in:     {m.path}\n  tests:  {' '.join(m.tests)}")
+        return 0
+
+    copy = Path(tempfile.mkdtemp(prefix="ringddp-mutants-")) / "tree"
+    try:
+        copy_tree(copy)
+        problems = check_anchors(copy, mutants)
+        if problems:
+            print("mutants.py: anchors not found (the code moved: update the mutants):", *problems, sep="\n  ")
+            return 2
+        where = subprocess.run([sys.executable, "-c", "import collectives, tests; print(collectives.__file__)"],
+                               cwd=copy, env=environment(copy), capture_output=True, text=True)
+        if not where.stdout.startswith(str(copy)):
+            print(f"mutants.py: the copy's collectives is not the one imported: {where.stdout}{where.stderr}")
+            return 2
+        every_test = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+        if not args.no_baseline:
+            status, seconds, out = run_tests(copy, every_test, max(args.limit, 30.0 * len(every_test)))
+            print(f"baseline (no mutant): {len(every_test)} tests {status} in {seconds:.0f} s", flush=True)
+            if status != "passed":
+                print(out[-5000:])
+                print("mutants.py: the tests fail without a mutant; nothing can be concluded")
+                return 2
+        rows = []
+        width = max(len(m.name) for m in mutants)
+        print(f"{'mutant':<{width}}  {'result':<9} {'seconds':>7}  tests that failed (of those run)", flush=True)
+        for m in mutants:
+            target = copy / m.path
+            original = target.read_text()
+            target.write_text(original.replace(m.old, m.new, 1))
+            try:
+                status, seconds, out = run_tests(copy, m.tests, args.limit)
+            finally:
+                target.write_text(original)
+            result = {"failed": "killed", "passed": "SURVIVED", "timeout": "TIMEOUT", "error": "ERROR"}[status]
+            shown = failed_tests(out) if status == "failed" else list(m.tests)
+            short = ", ".join(t.split("::", 1)[-1] for t in shown)
+            print(f"{m.name:<{width}}  {result:<9} {seconds:7.1f}  {short}", flush=True)
+            if status == "error":
+                print(out[-3000:])
+            rows.append((m, result))
+        not_killed = [m.name for m, result in rows if result != "killed"]
+        print(f"\n{len(rows) - len(not_killed)} of {len(rows)} mutants killed")
+        if not_killed:
+            print("not killed:", ", ".join(not_killed))
+            return 1
+        return 0
+    finally:
+        shutil.rmtree(copy.parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
