@@ -439,8 +439,11 @@ def run_spec(spec: dict, rank: int, group) -> list[torch.Tensor]:
     return [out]
 
 
-def _subgroup(backend: str | None = None, timeout: float = 4.0):
-    return collectives.new_group([0, 1], timeout=timeout, backend=backend)
+def _subgroup(backend: str | None = None):
+    """A fresh 2-rank group. Its deadline is 12 s, not less: ``new_group`` opens a store
+    connection of its own, and torch's TCPStore takes 5 s for one connection in 25 here, so
+    one rank may enter the first call 5 s after the other (a mismatch still raises at once)."""
+    return collectives.new_group([0, 1], timeout=12.0, backend=backend)
 
 
 def fuzz_cases(rank, world_size, seed, count):
@@ -458,10 +461,7 @@ def fuzz_cases(rank, world_size, seed, count):
         # start each case together: a rank that raised at once must not begin the next case's 4 s
         # set-up while its peer still waits out this one's deadline
         collectives.barrier()
-        # 12 s, not 4: on p2p an agreeing call on a fresh subgroup sometimes waits more than 4 s
-        # for its peer's header on this machine (2 of 3 runs failed so at 4 s, none at 12 s);
-        # a mismatch still raises at once, so the deadline costs nothing when all is well
-        group = _subgroup(timeout=12.0)
+        group = _subgroup()
         spec = a if rank == 0 else b
         try:
             got = run_spec(spec, rank, group)
