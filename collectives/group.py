@@ -30,6 +30,7 @@ from .backends import AUTO, Backend, get_backend, resolve_backend, select_backen
 from .engine import Engine
 from .errors import CollectiveError, CollectiveTimeoutError, timeout_seconds
 from .mailbox import Mailbox
+from .transport.base import wait_for_keys
 from .tuning import Tuning
 from .work import Executor, Work
 
@@ -73,7 +74,7 @@ class Group:
             them identically on every rank, between collectives.
         process_group: the torch process group used as the wire and for rendezvous.
         store: a torch ``Store`` private to this group: keys cannot clash with other groups', and a
-            TCP store gets a connection of its own (:func:`own_connection`).
+            TCP store connection is shared, so its users poll (:func:`~collectives.transport.base.wait_for_keys`).
         hosts: a host key per group rank (:func:`host_key`); equal keys share memory.
         mailbox: the receives of user point-to-point messages still waiting for their payload
             (:class:`~collectives.mailbox.Mailbox`).
@@ -139,8 +140,7 @@ class Group:
         members = list(range(size) if ranks is None else ranks)
         if len(members) != size or not 0 <= rank < size:
             raise ValueError(f"Group.from_store: rank {rank} and ranks {members} do not fit a group of {size}")
-        store = own_connection(store)
-        hosts = _exchange_hosts(store, rank, size)
+        hosts = _exchange_hosts(store, rank, size, seconds)
         wire = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, datetime.timedelta(seconds=seconds))
         return cls(wire, members, resolve_backend(backend), seconds, name, store=store, hosts=hosts)
 
@@ -342,27 +342,18 @@ class Group:
         self._by_device.clear()
 
 
-def own_connection(store: dist.Store) -> dist.Store:
-    """``store`` over a connection of its own (``Store.clone``; the store itself where it cannot).
-
-    A TCPStore client serves one request at a time, and ``wait`` holds it until the key appears.
-    Groups set up their transports lazily, on their own communication threads, through the store
-    (``shm`` exchanges segments in a group's first collective): over one shared client, one
-    group's wait for a peer that is busy elsewhere would hold up every other group's set-up on
-    this rank, and ranks starting overlapping groups in different orders would wait on each other
-    until the deadline. Each group talks to the store over its own connection instead.
-    """
-    try:
-        return store.clone()
-    except (RuntimeError, NotImplementedError) as exc:  # a store type without clone: share it
-        log.debug("store %s cannot be cloned (%s): groups share its connection", type(store).__name__, exc)
-        return store
-
-
-def _exchange_hosts(store: dist.Store, rank: int, size: int) -> list[str]:
-    """Every rank's :func:`host_key`, through the store (one set and one multi-get per rank)."""
+def _exchange_hosts(store: dist.Store, rank: int, size: int, seconds: float) -> list[str]:
+    """Every rank's :func:`host_key`, through the store (one set, then a poll and a multi-get)."""
     store.set(f"ringddp/host/{rank}", host_key())
-    return [v.decode() for v in store.multi_get([f"ringddp/host/{r}" for r in range(size)])]
+    keys = [f"ringddp/host/{r}" for r in range(size)]
+    if not wait_for_keys(store, keys, time.monotonic() + seconds):
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise CollectiveTimeoutError(
+            f"init: ranks {missing} did not publish their host within {seconds:g}s (this is rank {rank} of {size})",
+            op="init",
+            peer=missing[0] if missing else None,
+        )
+    return [v.decode() for v in store.multi_get(keys)]
 
 
 _world: Group | None = None
@@ -414,8 +405,8 @@ def init_process_group(
             ) from exc
         _owns_torch_group = True
     pg, size = dist.group.WORLD, dist.get_world_size()
-    store = own_connection(_get_default_store())
-    hosts = _exchange_hosts(store, pg.rank(), size)
+    store = _get_default_store()
+    hosts = _exchange_hosts(store, pg.rank(), size, seconds)
     _world = Group(pg, range(size), name, seconds, "world", store=store, hosts=hosts)
     trace.set_default_rank(_world.rank())
     log.debug("rank %d/%d joined the default group (backend %s)", _world.rank(), size, name)
@@ -559,7 +550,7 @@ def new_group(
     prefix = f"ringddp/group{next(_created)}/"  # every world rank calls new_group: same count everywhere
     if world.rank() not in members:
         return NonMember(members)
-    store = dist.PrefixStore(prefix, own_connection(world.store))
+    store = dist.PrefixStore(prefix, world.store)
     hosts = [world.hosts[r] for r in members]
     g = Group(pg, members, name, seconds, f"group{members}", store=store, hosts=hosts)
     _subgroups.append(g)

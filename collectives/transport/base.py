@@ -44,6 +44,7 @@ it lies and combine straight from it, instead of receiving a copy first.
 from __future__ import annotations
 
 import abc
+import time
 from typing import ContextManager, Iterable, Mapping, Protocol, Sequence
 
 import torch
@@ -66,7 +67,9 @@ class GroupInfo(Protocol):
         name: a label for messages (``"world"``, ``"group[0, 1]"``).
         backend: the canonical backend name the group asked for (``"auto"``, ``"shm"``, ...).
         timeout: seconds any single wait may block.
-        store: a torch ``Store`` private to the group, for the transport's own rendezvous.
+        store: a torch ``Store`` private to the group, for the transport's own rendezvous. Its
+            connection may be shared with other groups: wait for keys with :func:`wait_for_keys`,
+            never with ``store.wait``/``get`` on a key that may not be there yet.
         hosts: one host key per group rank; equal keys can share memory.
         process_group: torch's process group of the members (gloo), usable as a wire.
         tuning: the group's algorithm thresholds, shared (an engine reads them at every call).
@@ -271,3 +274,25 @@ def wait_all(requests: Sequence[Request]) -> None:
     """Wait for every request, in order."""
     for request in requests:
         request.wait()
+
+
+def wait_for_keys(store: dist.Store, keys: list[str], deadline: float) -> bool:
+    """Wait until every key in ``keys`` is set in ``store``; False if ``deadline`` (monotonic) passed.
+
+    Polls ``store.check`` (one short request each, backing off from 0.1 ms to 5 ms) rather than
+    calling ``store.wait``: a TCPStore client serves one request at a time and ``wait`` holds it
+    until the key appears. All groups of a rank talk to the store over one client, and their
+    transports set up lazily on their own threads; with ``wait``, one group's set-up waiting for a
+    peer busy elsewhere would hold up every other group's on this rank, and overlapping groups
+    started in different orders on different ranks would wait on each other until the deadline.
+    A connection per group avoids that too, but each new connection to torch's store server costs
+    a reverse name lookup of the client there (5 s where the resolver drops the query).
+    """
+    pause = 0.0001
+    while not store.check(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 0.005)
+    return True

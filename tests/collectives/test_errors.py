@@ -151,7 +151,7 @@ def point_to_point_deadlines(rank, world_size):
     rank 1 stays silent past a 2 s deadline, then on another group while rank 1 is SIGKILLed."""
     silent = collectives.new_group(timeout=2.0)
     dead = collectives.new_group(timeout=10.0)
-    collectives.barrier()  # start together: a rank's new_group may take 5 s longer (a new store connection)
+    collectives.barrier()  # start together: new_group returns at different times on different ranks
     lines = []
     if rank != 1:
         wait = _p2p_wait(P2P_WAITS[rank], silent)

@@ -440,9 +440,9 @@ def run_spec(spec: dict, rank: int, group) -> list[torch.Tensor]:
 
 
 def _subgroup(backend: str | None = None):
-    """A fresh 2-rank group. Its deadline is 12 s, not less: ``new_group`` opens a store
-    connection of its own, and torch's TCPStore takes 5 s for one connection in 25 here, so
-    one rank may enter the first call 5 s after the other (a mismatch still raises at once)."""
+    """A fresh 2-rank group. Its deadline is 12 s, not less: its first call sets up the transport
+    (gloo pairs, shm segments), which on a loaded 2-core machine has taken more than 4 s; a
+    mismatch still raises at once, so the deadline costs nothing when all is well."""
     return collectives.new_group([0, 1], timeout=12.0, backend=backend)
 
 

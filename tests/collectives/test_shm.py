@@ -510,7 +510,7 @@ def mismatched_slotted_calls(rank: int, world_size: int) -> dict[str, tuple[str,
     seen = {}
     for name, call in calls.items():
         g = collectives.new_group(backend="shm", timeout=20.0)
-        collectives.barrier()  # start together: a rank's new_group may take 5 s longer (a new store connection)
+        collectives.barrier()  # start together: new_group returns at different times on different ranks
         start = time.monotonic()
         kind, error = "error", None
         try:

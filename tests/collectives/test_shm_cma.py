@@ -151,7 +151,7 @@ def single_copy_proven(rank: int, world_size: int) -> dict[str, str]:
     """Set up three groups with single-copy reads on, then forbid rank 1 ``process_vm_readv``:
     what a transfer below the threshold and a broadcast and a scatter above it did on this rank."""
     groups = {name: collectives.new_group(backend="shm", timeout=3.0) for name in ("below", "broadcast", "scatter")}
-    collectives.barrier()  # (a rank's new_group may take 5 s longer: a new store connection)
+    collectives.barrier()  # start together: new_group returns at different times on different ranks
     for g in groups.values():
         collectives.barrier(group=g)  # set-up, single-copy probe included, happens here
     seen = {"cma": str(all(g.engine(torch.device("cpu"), "test").transport.cma for g in groups.values()))}
@@ -293,7 +293,7 @@ def mismatched_single_copy_calls(rank: int, world_size: int) -> dict[str, tuple[
     seen = {}
     for name, call in calls.items():
         g = collectives.new_group(backend="shm", timeout=20.0)
-        collectives.barrier()  # start together: a rank's new_group may take 5 s longer (a new store connection)
+        collectives.barrier()  # start together: new_group returns at different times on different ranks
         start = time.monotonic()
         try:
             call(g)

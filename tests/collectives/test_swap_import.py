@@ -39,8 +39,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(script: Path, world_size: int, timeout: float = 150.0) -> list[list[str]]:
-    """Start ``world_size`` ranks of ``script`` like torchrun; return each rank's stdout lines."""
+def run_job(script: Path, world_size: int, label: str, timeout: float = 150.0) -> list[list[str]]:
+    """Start ``world_size`` ranks of ``script`` like torchrun; return each rank's stdout lines.
+
+    ``label`` names the run in a failure (torch's, or ours with the import swapped)."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
@@ -61,7 +63,7 @@ def run_job(script: Path, world_size: int, timeout: float = 150.0) -> list[list[
     try:
         for rank, p in enumerate(procs):
             out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, f"{script.name} rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+            assert p.returncode == 0, f"{label}: {script.name} rank {rank} exited {p.returncode}:\n{err[-3000:]}"
             outputs.append(out.splitlines())
     finally:
         for p in procs:
@@ -80,8 +82,11 @@ def test_script_runs_unchanged_with_the_import_swapped(tmp_path, name, world_siz
     original = SCRIPTS / f"{name}.py"
     swapped = tmp_path / f"{name}.py"
     swapped.write_text(swap_imports(original.read_text()))
-    expected = run_job(original, world_size)
-    got = run_job(swapped, world_size)
+    try:
+        expected = run_job(original, world_size, "torch's run")
+    except AssertionError:  # the oracle's own rare abort at exit (gloo) is not what is tested: once more
+        expected = run_job(original, world_size, "torch's run, second try")
+    got = run_job(swapped, world_size, "the swapped run")
     assert all(expected), f"{name}: torch's run printed nothing"
     for rank, (theirs, ours) in enumerate(zip(expected, got)):
         assert ours == theirs, f"{name} rank {rank} differs"

@@ -11,7 +11,6 @@ keeps those sockets afterwards for wake-ups and dead-peer detection (:mod:`.wait
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import mmap
 import os
 import secrets
@@ -22,7 +21,7 @@ import time
 import torch.distributed as dist
 
 from ...errors import CollectiveTimeoutError
-from ..base import Peer, Transport
+from ..base import Peer, Transport, wait_for_keys
 from . import segment
 from .config import ShmConfig, ShmUnavailableError
 
@@ -57,16 +56,14 @@ class Rendezvous:
     def get(self, name: str, peer: Peer, deadline: float) -> str:
         """The value ``peer`` published under ``name``, waiting at most until ``deadline``."""
         key = f"{self._key}/{name}"
-        try:
-            self._store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except (RuntimeError, dist.DistError) as exc:
+        if not wait_for_keys(self._store, [key], deadline):
             op = self._transport.op
             raise CollectiveTimeoutError(
                 f"{op}: shared-memory set-up timed out after {self.timeout:g}s: rank {peer} did not "
                 f"join (this is rank {self.rank} of {self.world_size})",
                 op=op,
                 peer=peer,
-            ) from exc
+            )
         return self._store.get(key).decode()
 
     def agree(self, local: ShmConfig, deadline: float) -> ShmConfig:
