@@ -82,6 +82,7 @@ SUITES: tuple[Suite, ...] = (
     Suite("check-cost-64M", "collectives.bench", _WIRE_CHECK + ("--min-bytes", "64M", "--max-bytes", "64M", "--iters", "20")),
     Suite("ddp", "ddp.bench", ("--bucket-mb", "25,inf", "--comm-hook", "none,fp16", "--rounds", "20")),
     Suite("ddp-p2p", "ddp.bench", ("--backend", "p2p", "--bucket-mb", "25,inf")),
+    Suite("zero", "ddp.bench", ("--zero", "1,2,3", "--optimizer", "adam", "--torch-stacks", "fsdp2", "--rounds", "10")),
 )  # fmt: skip
 BY_NAME = {s.name: s for s in SUITES}
 
@@ -223,6 +224,13 @@ def cpu_profile(records: list[dict[str, Any]], nbytes: int, dtypes: tuple[str, .
 def ddp_table(record: dict[str, Any]) -> str:
     """A ``ddp.bench`` run as the bench prints it."""
     return _code(ddp_bench.title(record["result"]) + "\n" + ddp_bench.format_table(record["result"]))
+
+
+def zero_table(record: dict[str, Any]) -> str:
+    """A ``ddp.bench --zero`` run: its step table, then its traffic and memory table."""
+    result = record["result"]
+    return _code(ddp_bench.title(result) + "\n" + ddp_bench.format_table(result) + "\n\n"
+                 + ddp_bench.format_zero_table(result))
 
 
 def section(data: dict[str, dict[str, Any]], suite: str, *parts: Callable[[dict[str, Any]], str]) -> str:
@@ -384,6 +392,15 @@ _DDP_P2P = """\
 The same on the `p2p` backend (our ring over gloo point-to-point), no comm hook:"""
 
 
+_ZERO = """\
+## ZeRO
+
+`--zero 1,2,3` adds `ddp.ZeroDataParallel` at each stage next to our DDP (stage 0), torch's
+`ZeroRedundancyOptimizer` under its DDP (ZeRO-1) and FSDP2 `fully_shard` per layer (ZeRO-3), all
+with Adam; the second table is what each rank sent per step and held after `optimizer.step()`,
+by tensor accounting ([zero.md](zero.md) explains the stages and their caveats)."""
+
+
 def render_page(data: dict[str, dict[str, Any]]) -> str:
     """docs/benchmarks.md from the stored measurements."""
     barrier_skew = lambda record: f"Barrier exit skew: {skew(record)}."  # noqa: E731
@@ -414,6 +431,8 @@ def render_page(data: dict[str, dict[str, Any]]) -> str:
         section(data, "ddp", ddp_table),
         _DDP_P2P,
         section(data, "ddp-p2p", ddp_table),
+        _ZERO,
+        section(data, "zero", zero_table),
         suites_table(data),
     ]
     return "\n\n".join(parts) + "\n"
