@@ -197,6 +197,15 @@ def silent_mismatch(rank, world_size):
     return "no error", None, ""
 
 
+def silent_mismatch_then_linger(rank, world_size):
+    """:func:`silent_mismatch`, then stay alive a while: a rank whose deadline passed first must
+    not exit before its peer's deadline passes too (the peer would see a closed connection, a
+    dead peer, instead of its own timeout)."""
+    outcome = silent_mismatch(rank, world_size)
+    time.sleep(4.0)
+    return outcome
+
+
 @pytest.mark.timeout(120)
 def test_default_level_turns_a_size_mismatch_into_a_collective_error(monkeypatch):
     """At the default level (RINGDDP_DEBUG=CHECK) the wire check finds the mismatch before any
@@ -217,6 +226,6 @@ def test_with_checks_off_a_mismatch_times_out_instead_of_killing_a_rank(monkeypa
     with what they are: the mismatched messages never pair (gloo would abort the receiver of a
     longer message than it posted), so both ranks wait and raise CollectiveTimeoutError."""
     monkeypatch.setenv("RINGDDP_DEBUG", "OFF")
-    results = collectives.launch(silent_mismatch, 2, backend="p2p", timeout=5.0, join_timeout=60)
+    results = collectives.launch(silent_mismatch_then_linger, 2, backend="p2p", timeout=5.0, join_timeout=60)
     for kind, op, message in results:
         assert (kind, op) == ("error", "all_reduce") and "timed out" in message, message
