@@ -153,27 +153,25 @@ def point_to_point_deadlines(rank, world_size):
     dead = collectives.new_group(timeout=10.0)
     collectives.barrier()  # start together: new_group returns at different times on different ranks
     lines = []
-    if rank != 1:
-        wait = _p2p_wait(P2P_WAITS[rank], silent)
+
+    def attempt(group, label: str) -> None:
+        wait = _p2p_wait(P2P_WAITS[rank], group)
         start = time.monotonic()
         try:
             wait()
-            lines.append("silent: no error")
+            lines.append(f"{label}: no error")
         except CollectiveError as exc:
-            lines.append(survivor_line(rank, exc, time.monotonic() - start, wait, "silent"))
+            lines.append(survivor_line(rank, exc, time.monotonic() - start, wait, label))
+
+    if rank != 1:
+        attempt(silent, "silent")
     else:
         time.sleep(3.5)  # silent past the others' deadline
     collectives.barrier()
     if rank == 1:
         time.sleep(0.5)  # the others are waiting by now
         os.kill(os.getpid(), signal.SIGKILL)
-    wait = _p2p_wait(P2P_WAITS[rank], dead)
-    start = time.monotonic()
-    try:
-        wait()
-        lines.append("dead: no error")
-    except CollectiveError as exc:
-        lines.append(survivor_line(rank, exc, time.monotonic() - start, wait, "dead"))
+    attempt(dead, "dead")
     raise RuntimeError(" ".join(lines))
 
 
