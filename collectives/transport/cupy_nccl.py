@@ -93,7 +93,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import CollectiveError, CollectiveTimeoutError
-from .base import Message, Peer, Request, Transport
+from .base import Message, Peer, Request, Transport, wait_for_keys
 
 log = logging.getLogger(__name__)
 
@@ -329,16 +329,14 @@ def _share_via_store(store: Any, rank: int, world_size: int, timeout: float, mak
         uid = make_uid()
         store.set(_UID_KEY, _encode_uid(uid))
         return uid
-    try:
-        store.wait([_UID_KEY], datetime.timedelta(seconds=timeout))
-        payload = store.get(_UID_KEY)
-    except Exception as exc:  # noqa: BLE001 - the store raises its own error types on timeout
+    if not wait_for_keys(store, [_UID_KEY], time.monotonic() + timeout):  # the client is shared: poll
         raise CollectiveTimeoutError(
             f"nccl-cupy init: no NCCL unique id from rank 0 within {timeout:g}s (this is rank {rank} "
-            f"of {world_size}): {exc}",
+            f"of {world_size})",
             op="nccl-cupy init",
             peer=0,
-        ) from exc
+        )
+    payload = store.get(_UID_KEY)
     # The last reader removes the key (best effort; a left-over key is harmless: prefixes are unique).
     try:
         if store.add("read", 1) == world_size - 1:
