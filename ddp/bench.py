@@ -23,9 +23,13 @@ one copy of it per *variant*, each with its own SGD optimizer:
   per value of ``--bucket-mb`` (``inf``: a single bucket, i.e. no overlap at all);
 * ``local``: the bare model, same step, no communication: the floor every DDP row pays on top of.
 
-After the steps, each rank also times *returning* from an async 4 KiB all-reduce on the gloo and
-the ringddp torch groups (``async return``: what a DDP pays to launch a bucket; median of 200,
-with the queue idle and while a 16 MiB all-reduce is in flight).
+After the steps, each rank also times *returning* from an async 4 KiB all-reduce (``async
+return``: what a DDP pays to launch a bucket) through ``torch.distributed`` on the gloo and the
+ringddp groups, and through our API (``ours``: ``collectives.all_reduce`` on our world group);
+medians of 100 per case: ``idle`` (nothing in flight, after another 4 KiB call), ``cold``
+(nothing in flight, right after a 16 MiB all-reduce: its traffic has evicted the caller's code
+and data from the caches, as backward's does in training) and ``busy`` (a 16 MiB all-reduce
+still in flight).
 
 ``--zero`` (comma list of stages 1, 2, 3) adds :class:`ddp.ZeroDataParallel` at each stage with
 :class:`ddp.ZeroRedundancyOptimizer` (``ours ZeRO-s``, first ``--bucket-mb``), and torch's
@@ -143,7 +147,7 @@ import statistics
 import sys
 import time
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -386,22 +390,28 @@ def _torch_zero_variants(
     return out
 
 
-def _async_return_us(groups: dict[str, Any], reps: int = 200) -> dict[str, dict[str, float]]:
-    """Median µs to *return* from an async 4 KiB all-reduce, queue idle and behind a 16 MiB one."""
+#: the cases of :func:`_async_return_us`, in the order each cycle runs them.
+ASYNC_CASES = ("busy", "cold", "idle")
+
+
+def _async_return_us(calls: dict[str, Callable[[torch.Tensor], Any]], reps: int = 100) -> dict[str, dict[str, float]]:
+    """Median µs to *return* from an async 4 KiB all-reduce (``calls[name](tensor)`` starts one
+    and returns its handle), per case of :data:`ASYNC_CASES` (see the module docstring)."""
     small, big = torch.ones(1024), torch.ones(4 << 20)
     out: dict[str, dict[str, float]] = {}
-    for name, g in groups.items():
-        idle, busy = [], []
-        for i in range(reps):
+    for name, start in calls.items():
+        times: dict[str, list[float]] = {case: [] for case in ASYNC_CASES}
+        for i in range(reps * len(ASYNC_CASES)):
+            case = ASYNC_CASES[i % len(ASYNC_CASES)]
             collectives.barrier()
-            behind = torch.distributed.all_reduce(big, group=g, async_op=True) if i % 2 else None
+            behind = start(big) if case == "busy" else None
             t0 = time.perf_counter()
-            work = torch.distributed.all_reduce(small, group=g, async_op=True)
-            (busy if behind is not None else idle).append(1e6 * (time.perf_counter() - t0))
+            work = start(small)
+            times[case].append(1e6 * (time.perf_counter() - t0))
             work.wait()
             if behind is not None:
                 behind.wait()
-        out[name] = {"idle_us": statistics.median(idle), "busy_us": statistics.median(busy)}
+        out[name] = {f"{case}_us": statistics.median(v) for case, v in times.items()}
     return out
 
 
@@ -495,7 +505,11 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         if sizes is not None:
             log.info("torch DDP: %d buckets of %s MiB (after its rebuild)", len(sizes), ", ".join(f"{b / 2**20:.1f}" for b in sizes))
     reports = [v.report() for v in variants]
-    enqueue = _async_return_us({"gloo": group.process_group, "ringddp": ringddp})
+    enqueue = _async_return_us({
+        "gloo": lambda t: torch.distributed.all_reduce(t, group=group.process_group, async_op=True),
+        "ringddp": lambda t: torch.distributed.all_reduce(t, group=ringddp, async_op=True),
+        "ours": lambda t: collectives.all_reduce(t, async_op=True),
+    })
     torch.distributed.destroy_process_group(ringddp)
     return {"rank": rank, "threads": threads, "params": n_params, "variants": reports, "async_return": enqueue}
 
@@ -571,7 +585,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         "params": per_rank[0]["params"],
         "threads_per_rank": per_rank[0]["threads"],
         "async_return_us": {  # the slowest rank's medians
-            name: {k: max(r["async_return"][name][k] for r in per_rank) for k in ("idle_us", "busy_us")}
+            name: {k: max(r["async_return"][name][k] for r in per_rank) for k in per_rank[0]["async_return"][name]}
             for name in per_rank[0]["async_return"]
         },
         "torch_version": torch.__version__,
@@ -632,6 +646,14 @@ def title(summary: dict[str, Any]) -> str:
         f"{cfg['rounds']} rounds x {cfg['steps']} steps per variant, medians in ms ({summary['seconds']:.0f} s)"
         + (", gradient_as_bucket_view=True" if cfg["grad_view"] else "")
     )
+
+
+def format_async_return(summary: dict[str, Any]) -> str:
+    """One line: each group's median µs to return from an async 4 KiB all-reduce, per case."""
+    measured = summary["async_return_us"]
+    cases = [c for c in ASYNC_CASES[::-1] if all(f"{c}_us" in v for v in measured.values())]
+    return (f"async return (µs to return from an async 4 KiB all_reduce, median; {' / '.join(cases)}): "
+            + "; ".join(f"{name} " + " / ".join(f"{v[f'{c}_us']:.0f}" for c in cases) for name, v in measured.items()))
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -788,8 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = run(cfg, log_level=level)
     print(title(summary))
     print(format_table(summary))
-    print("async return (µs to return from an async 4 KiB all_reduce, median; idle / behind a 16 MiB one): "
-          + "; ".join(f"{name} {v['idle_us']:.0f} / {v['busy_us']:.0f}" for name, v in summary["async_return_us"].items()))
+    print(format_async_return(summary))
     if cfg.zero:
         print(f"\nper rank and step: bytes sent and memory held (MiB, tensor accounting), {cfg.optimizer} optimizer")
         print(format_zero_table(summary))

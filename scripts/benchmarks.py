@@ -81,6 +81,7 @@ SUITES: tuple[Suite, ...] = (
     Suite("check-cost-4K", "collectives.bench", _WIRE_CHECK + ("--min-bytes", "4K", "--max-bytes", "4K", "--iters", "300")),
     Suite("check-cost-64M", "collectives.bench", _WIRE_CHECK + ("--min-bytes", "64M", "--max-bytes", "64M", "--iters", "20")),
     Suite("ddp", "ddp.bench", ("--bucket-mb", "25,inf", "--comm-hook", "none,fp16", "--rounds", "20")),
+    Suite("ddp-mlp", "ddp.bench", ("--width", "1024", "--layers", "11", "--torch-stacks", "ddp-ringddp", "--rounds", "20")),
     Suite("ddp-p2p", "ddp.bench", ("--backend", "p2p", "--bucket-mb", "25,inf")),
     Suite("zero", "ddp.bench", ("--zero", "1,2,3", "--optimizer", "adam", "--torch-stacks", "fsdp2", "--rounds", "10")),
 )  # fmt: skip
@@ -223,7 +224,9 @@ def cpu_profile(records: list[dict[str, Any]], nbytes: int, dtypes: tuple[str, .
 
 def ddp_table(record: dict[str, Any]) -> str:
     """A ``ddp.bench`` run as the bench prints it."""
-    return _code(ddp_bench.title(record["result"]) + "\n" + ddp_bench.format_table(record["result"]))
+    result = record["result"]
+    returns = "\n" + ddp_bench.format_async_return(result) if "async_return_us" in result else ""
+    return _code(ddp_bench.title(result) + "\n" + ddp_bench.format_table(result) + returns)
 
 
 def zero_table(record: dict[str, Any]) -> str:
@@ -388,6 +391,10 @@ into the buckets (`gradient_as_bucket_view=True`, our default), so nothing is co
 the all-reduce; `--grad-view` gives torch's DDP the same setting. `--json` and `--plot` save
 everything; column details are in `ddp/bench.py`."""
 
+_DDP_MLP = """\
+A deeper, narrower model: eleven Linear(1024) layers (11.5 M parameters, 44 MiB of gradients),
+batch 64 per rank, torch's DDP on gloo and on ringddp next to ours at the default 25 MB cap:"""
+
 _DDP_P2P = """\
 The same on the `p2p` backend (our ring over gloo point-to-point), no comm hook:"""
 
@@ -429,6 +436,8 @@ def render_page(data: dict[str, dict[str, Any]]) -> str:
         section(data, "check-cost-64M", lambda record: collectives_table(record, cpu=True)),
         _DDP,
         section(data, "ddp", ddp_table),
+        _DDP_MLP,
+        section(data, "ddp-mlp", ddp_table),
         _DDP_P2P,
         section(data, "ddp-p2p", ddp_table),
         _ZERO,
@@ -484,9 +493,13 @@ def render_summary(data: dict[str, dict[str, Any]]) -> str:
     lines.append(f"| FSDP2 (`fully_shard` per layer) | {cell('torch FSDP2')} | {cell('torch FSDP2 ringddp')} | — |")
     async_us = summary.get("async_return_us")
     if async_us:
-        lines.append(f"| returning from an async 4 KiB all_reduce (idle / busy) | {async_us['gloo']['idle_us']:.0f} / "
-                     f"{async_us['gloo']['busy_us']:.0f} µs | {async_us['ringddp']['idle_us']:.0f} / "
-                     f"{async_us['ringddp']['busy_us']:.0f} µs | — |")
+        cases = ("idle", "cold", "busy") if "cold_us" in async_us["gloo"] else ("idle", "busy")
+
+        def returns(name: str) -> str:
+            return " / ".join(f"{async_us[name][f'{c}_us']:.0f}" for c in cases) + " µs" if name in async_us else "—"
+
+        lines.append(f"| returning from an async 4 KiB all_reduce ({' / '.join(cases)}) | {returns('gloo')} | "
+                     f"{returns('ringddp')} | {returns('ours')} |")
     m = loop["machine"]
     lines += ["", f"Time per call (all_reduce: `--timing loop`, nccl-tests style) or per training step (DDP: "
                   f"median of the slowest rank) on {m['cpu']} ({m['cores']} cores), torch {m['torch']}. all_reduce: "

@@ -39,8 +39,9 @@ def test_bench_smoke(tmp_path, capsys):
         rows["torch FSDP2"]["step_ms"] / rows["torch FSDP2 ringddp"]["step_ms"])
     # torch's DDP over ringddp hands our collectives every gradient once (measured by tracing)
     assert rows["torch DDP ringddp"]["comm_mib"] == pytest.approx(rows["torch DDP"]["comm_mib"])
-    for name in ("gloo", "ringddp"):
-        assert 0 < summary["async_return_us"][name]["idle_us"] < 1e6 and summary["async_return_us"][name]["busy_us"] > 0
+    for name in ("gloo", "ringddp", "ours"):
+        for case in bench.ASYNC_CASES:
+            assert 0 < summary["async_return_us"][name][f"{case}_us"] < 1e6, (name, case)
     assert rows["torch DDP"]["comm_vs_torch"] in (None, pytest.approx(1.0))  # None: torch no slower than local
     assert rows["local (no comm)"]["comm_ms"] is None
     for name in ("torch DDP", "ours 25 MB"):
