@@ -85,12 +85,8 @@ Single-copy variants (``regions.cma``: Linux cross-memory attach, see ``base.py`
     anyone reads). Readers check the bytes an owner published against their own, so a
     mismatch raises on every rank.
 
-    All-reduce stays on the regions. Tried: the two-shot's steps with every rank reading its
-    peers' slices out of their private buffers (in 256 KiB to 2 MiB chunks into a scratch that
-    stays in cache), 1.5 copies of ``S`` instead of 2.5 at 2 ranks. Measured on 2 cores, medians
-    of 9 alternating with the two-shot: 4 MiB 1.25-1.5x the two-shot's time, 16 MiB 0.82-1.16x,
-    64 MiB 1.05-1.19x. The kernel's copy (it pins and maps every page) ran at 7.5-8 GB/s here,
-    ``copy_`` at ~25 GB/s, which more than eats the saved copy.
+    All-reduce stays on the regions: reading the peers' slices out of their private buffers
+    saves a copy on paper but measured slower (docs/DESIGN.md §3 has the numbers).
 
 All functions take contiguous 1-D tensors; every rank calls with the same sizes (all-to-all:
 matching sizes between each pair), and ``n >= 2`` for the per-peer slots.
