@@ -216,3 +216,39 @@ def _gil_while_waiting(rank: int, world_size: int) -> int:
 def test_a_waiting_communication_thread_leaves_the_gil():
     counted = collectives.launch(_gil_while_waiting, 2, backend="shm", timeout=20, join_timeout=50)[0]
     assert counted > 10_000, counted  # a GIL-holding waiter would leave it at 0 until the peer came
+
+
+def _priorities(rank: int, world_size: int) -> tuple[int, int, int]:
+    """(this thread's nice, the world group's communication thread's, a group made with
+    RINGDDP_COMM_NICE=0's), read with getpriority on each thread's id."""
+    import os
+    import threading
+
+    import collectives as c
+
+    def comm_thread_nice(group_name: str) -> int:
+        (thread,) = [t for t in threading.enumerate() if t.name == f"ringddp-{group_name}"]
+        return os.getpriority(os.PRIO_PROCESS, thread.native_id)
+
+    c.all_reduce(torch.ones(4), async_op=True).wait()  # starts the world's thread
+    os.environ["RINGDDP_COMM_NICE"] = "0"
+    group = c.new_group([0, 1])
+    c.all_reduce(torch.ones(4), group=group, async_op=True).wait()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    return mine, comm_thread_nice(c.get_default_group().name), comm_thread_nice(group.name)
+
+
+@pytest.mark.timeout(60)
+def test_the_communication_thread_yields_the_core_to_the_caller(monkeypatch):
+    """It runs COMM_NICE steps below its process (never above 19), or as set by RINGDDP_COMM_NICE."""
+    from collectives import work
+
+    for mine, world_thread, plain_thread in collectives.launch(_priorities, 2, backend="shm", timeout=20, join_timeout=50):
+        assert world_thread == min(19, mine + work.COMM_NICE), (mine, world_thread)
+        assert plain_thread == mine
+    for bad in ("-1", "20", "low"):
+        monkeypatch.setenv("RINGDDP_COMM_NICE", bad)
+        with pytest.raises(ValueError, match="RINGDDP_COMM_NICE must be an integer from 0 to 19"):
+            work.comm_nice()
+    monkeypatch.setenv("RINGDDP_COMM_NICE", "3")
+    assert work.comm_nice() == 3
