@@ -23,6 +23,9 @@ from .. import wire
 from ..errors import CollectiveError, CollectiveTimeoutError
 from .base import GroupInfo, Peer, Request, Transport
 
+#: seconds a rank that found a mismatch still waits for its other header transfers before raising.
+MISMATCH_GRACE = 1.0
+
 
 class TorchP2PRequest(Request):
     __slots__ = ("_work", "_transport", "_kind", "_peer", "_done")
@@ -99,13 +102,24 @@ class TorchP2PTransport(Transport):
         return bool(self._headers)
 
     def check_headers(self) -> None:
-        """Wait for the neighbours' headers; raise ``CollectiveError`` if a call differs from ours."""
+        """Wait for the neighbours' headers; raise ``CollectiveError`` if a call differs from ours.
+
+        Before raising, the other neighbour's header is still read and this rank's header sends
+        are let finish (each for up to :data:`MISMATCH_GRACE` seconds): a rank that raises here
+        often exits next, and a process that exits with bytes unread on a connection resets it,
+        which can cost a neighbour the header it was about to read; it would then report a
+        closed connection instead of the description of both calls.
+        """
         pending, self._headers = self._headers, None
+        mismatch: CollectiveError | None = None
         for peer, mine, theirs, recv in pending or ():
+            if mismatch is not None:
+                self._settle(recv)
+                continue
             TorchP2PRequest(recv, self, "recv (header)", peer).wait()
             diffs = wire.compare(mine, theirs)
             if diffs:
-                raise CollectiveError(
+                mismatch = CollectiveError(
                     f"{self.op}: rank {peer} called a different collective (wire check, RINGDDP_DEBUG=CHECK). "
                     f"This rank ({self.rank}) called {wire.describe(mine)}; rank {peer} called "
                     f"{wire.describe(theirs)}; they differ in {', '.join(diffs)}. Every rank must issue the "
@@ -114,6 +128,17 @@ class TorchP2PTransport(Transport):
                     op=self.op,
                     peer=peer,
                 )
+        if mismatch is not None:
+            for send in self._header_sends:
+                self._settle(send)
+            raise mismatch
+
+    def _settle(self, work: dist.Work) -> None:
+        """Let a header transfer finish, for up to :data:`MISMATCH_GRACE` seconds; its failure does not matter."""
+        try:
+            work.wait(datetime.timedelta(seconds=min(MISMATCH_GRACE, self.timeout)))
+        except RuntimeError:
+            pass
 
     def _post(self, method, tensor: torch.Tensor, peer: Peer, tag: int, kind: str) -> dist.Work:
         try:  # the process group's own methods take group ranks and skip torch's Python-side checks
