@@ -493,12 +493,13 @@ def render_summary(data: dict[str, dict[str, Any]]) -> str:
     lines.append(f"| FSDP2 (`fully_shard` per layer) | {cell('torch FSDP2')} | {cell('torch FSDP2 ringddp')} | — |")
     async_us = summary.get("async_return_us")
     if async_us:
-        cases = ("idle", "cold", "busy") if "cold_us" in async_us["gloo"] else ("idle", "busy")
+        cases = [c for c in ddp_bench.ASYNC_CASES[::-1] if f"{c}_us" in async_us["gloo"]]  # older records: no "cold"
 
         def returns(name: str) -> str:
             return " / ".join(f"{async_us[name][f'{c}_us']:.0f}" for c in cases) + " µs" if name in async_us else "—"
 
-        lines.append(f"| returning from an async 4 KiB all_reduce ({' / '.join(cases)}) | {returns('gloo')} | "
+        lines.append(f"| returning from an async 4 KiB all_reduce ({' / '.join(cases)}; last column: "
+                     f"`collectives.all_reduce`) | {returns('gloo')} | "
                      f"{returns('ringddp')} | {returns('ours')} |")
     m = loop["machine"]
     lines += ["", f"Time per call (all_reduce: `--timing loop`, nccl-tests style) or per training step (DDP: "
