@@ -31,7 +31,7 @@ class ShmConfig:
         slots: FIFO depth per pair (at most 8).
         region_bytes: a rank's region for the shared-memory algorithms (two halves).
         spin_seconds: how long a waiter polls memory before it blocks (``RINGDDP_SHM_SPIN_US``);
-            ``None``: 300 µs when every rank has a core, else 50 µs.
+            ``None``: 1 ms when every rank has a core, else 50 µs (:func:`.waiting.spin_times`).
         cma: allow single-copy reads of the peers' tensors with ``process_vm_readv`` where the
             set-up probe finds them possible (``RINGDDP_SHM_CMA=0`` turns them off).
     """
