@@ -50,7 +50,12 @@ def spin_times(spin_seconds: float | None, world_size: int) -> tuple[float, floa
     (tasks that keep yielding stay "cache hot" and are not migrated), and there a waiter that
     does not yield holds off the very peer it waits for. Measured at 2 ranks, 4 KiB all-reduce
     back to back, both ranks pinned to one core after set-up: 105 µs a call with 50 µs of busy
-    spin, 61 µs with 10 µs; on separate cores 17.6-18.8 µs and 17.0-18.5 µs (4 runs each). With more ranks than cores: 50 µs by default, yielding from the start
+    spin, 61 µs with 10 µs; on separate cores 17.6-18.8 µs and 17.0-18.5 µs (4 runs each). In
+    samples of 50 calls after 50 of gloo's (as ``collectives.bench`` interleaves them), the
+    ranks shared a core in 9-16 of 40 samples, each checked with ``sched_getcpu``: 110 µs a call
+    there with 50 µs of busy spin, 72-74 µs with 10 µs. (Tried: sleeping at once when the peer
+    last waited on this core, so that its wake-up would move one rank; the ranks stayed
+    together, no gain.) With more ranks than cores: 50 µs by default, yielding from the start
     (the peer we wait for may need our core). These are the caller's; a communication thread
     spins :data:`BACKGROUND_SPIN`, yielding.
     """
