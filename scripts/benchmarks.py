@@ -383,7 +383,11 @@ Linear(2048), 16.8 M parameters, batch 64 per rank, 2 ranks) with torch's
 - `bwd-local`: backward minus the local copy's backward, what communication adds to it;
   `vs torch`: torch DDP's step time (same comm hook) / this row's (above 1: faster; the local row
   shows the ceiling); `comm`: step minus the local step; `comm/torch`: that over torch DDP's;
-- `sync`: `ok` when every rank ended with bitwise identical parameters.
+- `sync`: `ok` when every rank ended with bitwise identical parameters;
+- the line under the table: µs to *return* from an async 4 KiB all-reduce (what a DDP pays to
+  launch a bucket) through `torch.distributed` on gloo and on ringddp, and through
+  `collectives.all_reduce` (`ours`): `idle` (nothing in flight), `cold` (right after a 16 MiB
+  all-reduce, whose traffic emptied the caches) and `busy` (a 16 MiB all-reduce in flight).
 
 Our DDP keeps its CPU buckets in symmetric memory, so on `shm` (the default, `auto`, on one host)
 each bucket's all-reduce reads the peers' buckets in place, and its `.grad` tensors are views
