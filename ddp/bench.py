@@ -648,10 +648,16 @@ def title(summary: dict[str, Any]) -> str:
     )
 
 
+def async_cases(measured: dict[str, dict[str, float]]) -> list[str]:
+    """The cases of :data:`ASYNC_CASES` that every group of ``measured`` (``async_return_us``)
+    holds, in display order (idle, cold, busy); older records have no ``cold``."""
+    return [c for c in ASYNC_CASES[::-1] if all(f"{c}_us" in v for v in measured.values())]
+
+
 def format_async_return(summary: dict[str, Any]) -> str:
     """One line: each group's median µs to return from an async 4 KiB all-reduce, per case."""
     measured = summary["async_return_us"]
-    cases = [c for c in ASYNC_CASES[::-1] if all(f"{c}_us" in v for v in measured.values())]
+    cases = async_cases(measured)
     return (f"async return (µs to return from an async 4 KiB all_reduce, median; {' / '.join(cases)}): "
             + "; ".join(f"{name} " + " / ".join(f"{v[f'{c}_us']:.0f}" for c in cases) for name, v in measured.items()))
 

@@ -497,7 +497,7 @@ def render_summary(data: dict[str, dict[str, Any]]) -> str:
     lines.append(f"| FSDP2 (`fully_shard` per layer) | {cell('torch FSDP2')} | {cell('torch FSDP2 ringddp')} | — |")
     async_us = summary.get("async_return_us")
     if async_us:
-        cases = [c for c in ddp_bench.ASYNC_CASES[::-1] if f"{c}_us" in async_us["gloo"]]  # older records: no "cold"
+        cases = ddp_bench.async_cases(async_us)
 
         def returns(name: str) -> str:
             return " / ".join(f"{async_us[name][f'{c}_us']:.0f}" for c in cases) + " µs" if name in async_us else "—"
