@@ -31,6 +31,13 @@ medians of 100 per case: ``idle`` (nothing in flight, after another 4 KiB call),
 and data from the caches, as backward's does in training) and ``busy`` (a 16 MiB all-reduce
 still in flight).
 
+Last, every rank at once times one pass of each kind a reduction makes over the step's gradient
+bytes (``passes``: ``copy``, ``scale`` = a copy that multiplies, ``add`` = two reads and a
+write), and the line under the table adds up the passes of each no-hook DDP row on shared
+memory (:func:`step_passes_ms`): with a core per rank they are taken from backward, so they
+estimate the least ``comm`` can be. For torch's DDP that includes its reducer's own copies of
+every gradient into its buckets and back, which no backend can avoid.
+
 ``--zero`` (comma list of stages 1, 2, 3) adds :class:`ddp.ZeroDataParallel` at each stage with
 :class:`ddp.ZeroRedundancyOptimizer` (``ours ZeRO-s``, first ``--bucket-mb``), and torch's
 counterpart of each, on the same gloo group: ``torch ZeRO-1`` (torch DDP +
@@ -415,6 +422,57 @@ def _async_return_us(calls: dict[str, Callable[[torch.Tensor], Any]], reps: int 
     return out
 
 
+#: the elementwise passes :func:`_gradient_passes_ms` times, each over the step's gradient bytes ``G``.
+GRADIENT_PASSES = ("copy", "scale", "add")
+
+
+def _gradient_passes_ms(numel: int, reps: int = 9) -> dict[str, float]:
+    """Median ms of one pass over ``numel`` float32 elements, every rank at once (after a barrier,
+    as in a step, where the ranks reduce together and share the memory bandwidth): ``copy``
+    (``dst.copy_(src)``), ``scale`` (``torch.mul(src, s, out=dst)``, torch's reducer copying a
+    gradient into its bucket) and ``add`` (``torch.add(x, y, out=dst)``: two reads, one write)."""
+    src, other, dst = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    passes = {
+        "copy": lambda: dst.copy_(src),
+        "scale": lambda: torch.mul(src, 0.5, out=dst),
+        "add": lambda: torch.add(src, other, out=dst),
+    }
+    out = {}
+    for name in GRADIENT_PASSES:
+        times = []
+        for _ in range(reps):
+            collectives.barrier()
+            t0 = time.perf_counter()
+            passes[name]()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_ms"] = 1e3 * statistics.median(times)
+    return out
+
+
+def step_passes_ms(passes: dict[str, float], world_size: int) -> dict[str, float]:
+    """What the passes over the gradients that a DDP row's reduction makes on shared memory cost
+    a step, from the timed single passes (``passes``: :func:`_gradient_passes_ms`). With a core
+    per rank they take the core from backward, so they add to ``comm`` whatever overlaps: an
+    estimate of the least the row's communication can cost, not a strict bound (a pass that runs
+    while the peer computes has the memory bus to itself; the local row allocates its gradients
+    afresh every step, our DDP's stay in its buckets).
+
+    With ``G`` the gradient bytes, ``n`` ranks and buckets above the one-shot limit:
+
+    * ``ours`` (buckets in symmetric memory, gradients viewing them: ``all_reduce_symmetric``
+      with AVG): ``n - 1`` adds over ``G/n``, a division of ``G/n``, copies of ``(n-1)/n G`` from
+      the peers: ``(n-1)/n (add + copy) + scale/n``;
+    * ``torch DDP ringddp`` (torch's reducer scales each gradient into a private bucket and copies
+      the result back; the two-shot all-reduce copies ``(n-1)/n G`` into the region, reduces
+      ``G/n``, copies it back and ``(n-1)/n G`` from the peers):
+      ``scale + copy + (n-1)/n (add + 2 copy) + copy/n``.
+    """
+    n = world_size
+    copy, scale, add = passes["copy_ms"], passes["scale_ms"], passes["add_ms"]
+    share = (n - 1) / n
+    return {"ours": share * (add + copy) + scale / n, "torch DDP ringddp": scale + copy + share * (add + 2 * copy) + copy / n}
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter (FSDP2's are DTensors)."""
     return p.to_local() if hasattr(p, "to_local") else p
@@ -511,7 +569,8 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         "ours": lambda t: collectives.all_reduce(t, async_op=True),
     })
     torch.distributed.destroy_process_group(ringddp)
-    return {"rank": rank, "threads": threads, "params": n_params, "variants": reports, "async_return": enqueue}
+    passes = _gradient_passes_ms(n_params)
+    return {"rank": rank, "threads": threads, "params": n_params, "variants": reports, "async_return": enqueue, "passes": passes}
 
 
 # ---------------------------------------------------------------------------- summary (parent)
@@ -579,6 +638,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         row["comm_ms"] = None if row["kind"] == "local" else row["step_ms"] - local["step_ms"]
         torch_comm = reference - local["step_ms"]
         row["comm_vs_torch"] = None if row["comm_ms"] is None or torch_comm <= 0 else row["comm_ms"] / torch_comm
+    passes = {k: max(r["passes"][k] for r in per_rank) for k in per_rank[0]["passes"]}  # the slowest rank's
     return {
         "config": {k: (list(map(_mb_json, v)) if k == "bucket_mb" else _mb_json(v) if k == "first_bucket_mb" else v)
                    for k, v in dataclasses.asdict(cfg).items()},
@@ -588,6 +648,8 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             name: {k: max(r["async_return"][name][k] for r in per_rank) for k in per_rank[0]["async_return"][name]}
             for name in per_rank[0]["async_return"]
         },
+        "passes_ms": passes,
+        "step_passes_ms": step_passes_ms(passes, cfg.world_size) if cfg.backend in ("auto", "shm") and cfg.world_size > 1 else None,
         "torch_version": torch.__version__,
         "rows": rows,
     }  # fmt: skip
@@ -660,6 +722,20 @@ def format_async_return(summary: dict[str, Any]) -> str:
     cases = async_cases(measured)
     return (f"async return (µs to return from an async 4 KiB all_reduce, median; {' / '.join(cases)}): "
             + "; ".join(f"{name} " + " / ".join(f"{v[f'{c}_us']:.0f}" for c in cases) for name, v in measured.items()))
+
+
+def format_passes(summary: dict[str, Any]) -> str | None:
+    """One line: the passes over the gradients (every rank at once) and what they cost a step of
+    each row (:func:`step_passes_ms`); None for records without them."""
+    passes, per_step = summary.get("passes_ms"), summary.get("step_passes_ms")
+    if passes is None:
+        return None
+    mib = summary["params"] * 4 / 2**20
+    line = (f"passes (ms per pass over the {mib:.1f} MiB of gradients, every rank at once): "
+            + ", ".join(f"{k} {passes[f'{k}_ms']:.1f}" for k in GRADIENT_PASSES))
+    if per_step:
+        line += "; a step's reduction passes (shared memory, no comm hook): " + ", ".join(f"{name} {ms:.1f}" for name, ms in per_step.items())
+    return line
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -817,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     print(title(summary))
     print(format_table(summary))
     print(format_async_return(summary))
+    if (passes := format_passes(summary)) is not None:
+        print(passes)
     if cfg.zero:
         print(f"\nper rank and step: bytes sent and memory held (MiB, tensor accounting), {cfg.optimizer} optimizer")
         print(format_zero_table(summary))

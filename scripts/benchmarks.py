@@ -225,8 +225,12 @@ def cpu_profile(records: list[dict[str, Any]], nbytes: int, dtypes: tuple[str, .
 def ddp_table(record: dict[str, Any]) -> str:
     """A ``ddp.bench`` run as the bench prints it."""
     result = record["result"]
-    returns = "\n" + ddp_bench.format_async_return(result) if "async_return_us" in result else ""
-    return _code(ddp_bench.title(result) + "\n" + ddp_bench.format_table(result) + returns)
+    lines = [ddp_bench.title(result), ddp_bench.format_table(result)]
+    if "async_return_us" in result:
+        lines.append(ddp_bench.format_async_return(result))
+    if (passes := ddp_bench.format_passes(result)) is not None:
+        lines.append(passes)
+    return _code("\n".join(lines))
 
 
 def zero_table(record: dict[str, Any]) -> str:
@@ -387,7 +391,15 @@ Linear(2048), 16.8 M parameters, batch 64 per rank, 2 ranks) with torch's
 - the line under the table: µs to *return* from an async 4 KiB all-reduce (what a DDP pays to
   launch a bucket) through `torch.distributed` on gloo and on ringddp, and through
   `collectives.all_reduce` (`ours`): `idle` (nothing in flight), `cold` (right after a 16 MiB
-  all-reduce, whose traffic emptied the caches) and `busy` (a 16 MiB all-reduce in flight).
+  all-reduce, whose traffic emptied the caches) and `busy` (a 16 MiB all-reduce in flight);
+- the last line: ms of one pass over the step's gradients (`copy`, `scale`: a copy that
+  multiplies, as torch's reducer fills its buckets, `add`: two reads and a write), every rank at
+  once, and what the passes of each row's reduction add up to on shared memory: ours reads the
+  peers' buckets in place (`(n-1)/n (add + copy) + scale/n`), torch's reducer copies every
+  gradient into a private bucket and back and our all-reduce then copies through the regions
+  (`scale + copy + (n-1)/n (add + 2 copy) + copy/n`). With a core per rank these passes take the
+  core from backward, so they estimate the least `comm` can be (`ddp/bench.py`,
+  `step_passes_ms`).
 
 Our DDP keeps its CPU buckets in symmetric memory, so on `shm` (the default, `auto`, on one host)
 each bucket's all-reduce reads the peers' buckets in place, and its `.grad` tensors are views

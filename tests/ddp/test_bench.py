@@ -42,6 +42,10 @@ def test_bench_smoke(tmp_path, capsys):
     for name in ("gloo", "ringddp", "ours"):
         for case in bench.ASYNC_CASES:
             assert 0 < summary["async_return_us"][name][f"{case}_us"] < 1e6, (name, case)
+    passes, per_step = summary["passes_ms"], summary["step_passes_ms"]
+    assert set(passes) == {f"{k}_ms" for k in bench.GRADIENT_PASSES} and all(0 < v < 1e4 for v in passes.values())
+    assert per_step == pytest.approx(bench.step_passes_ms(passes, 2))
+    assert 0 < per_step["ours"] < per_step["torch DDP ringddp"]
     assert rows["torch DDP"]["comm_vs_torch"] in (None, pytest.approx(1.0))  # None: torch no slower than local
     assert rows["local (no comm)"]["comm_ms"] is None
     for name in ("torch DDP", "ours 25 MB"):
@@ -60,6 +64,15 @@ def test_bench_smoke(tmp_path, capsys):
     for name in rows:
         assert name in table
     assert "vs torch" in table
+    assert bench.format_passes(summary) in table
+
+
+def test_step_passes_count_what_each_row_moves():
+    passes = {"copy_ms": 2.0, "scale_ms": 3.0, "add_ms": 4.0}
+    # 2 ranks: ours adds and copies half and divides half; torch's reducer scales in and copies
+    # out all of it, and the two-shot copies half in, adds half, copies it back and half out.
+    assert bench.step_passes_ms(passes, 2) == {"ours": 0.5 * (4 + 2) + 3 / 2, "torch DDP ringddp": 3 + 2 + 0.5 * (4 + 4) + 2 / 2}
+    assert bench.step_passes_ms(passes, 4)["ours"] == pytest.approx(0.75 * 6 + 0.75)
 
 
 @pytest.mark.timeout(120)
