@@ -399,7 +399,8 @@ Linear(2048), 16.8 M parameters, batch 64 per rank, 2 ranks) with torch's
   gradient into a private bucket and back and our all-reduce then copies through the regions
   (`scale + copy + (n-1)/n (add + 2 copy) + copy/n`). With a core per rank these passes take the
   core from backward, so they estimate the least `comm` can be (`ddp/bench.py`,
-  `step_passes_ms`).
+  `step_passes_ms`); roughly: the local row allocates fresh gradients every step and our DDP
+  does not (its gradients stay in its buckets), which can bring ours below the estimate.
 
 Our DDP keeps its CPU buckets in symmetric memory, so on `shm` (the default, `auto`, on one host)
 each bucket's all-reduce reads the peers' buckets in place, and its `.grad` tensors are views
