@@ -454,14 +454,18 @@ def step_passes_ms(passes: dict[str, float], world_size: int) -> dict[str, float
     a step, from the timed single passes (``passes``: :func:`_gradient_passes_ms`). With a core
     per rank they take the core from backward, so they add to ``comm`` whatever overlaps: an
     estimate of the least the row's communication can cost, not a strict bound (a pass that runs
-    while the peer computes has the memory bus to itself; the local row allocates its gradients
-    afresh every step, our DDP's stay in its buckets).
+    while the peer computes has the memory bus to itself, and the local row pays for memory
+    the DDPs do not: it keeps every fresh gradient until ``zero_grad``, so the allocator hands
+    it new pages every step, while a DDP copies each into its bucket and frees it at once: on
+    the 11 x Linear(1024) model alone, ``zero_grad(set_to_none=True)`` measured 10,200 minor page
+    faults and 66 ms a step against 1,000-2,000 and 57 ms with ``set_to_none=False``).
 
     With ``G`` the gradient bytes, ``n`` ranks and buckets above the one-shot limit:
 
-    * ``ours`` (buckets in symmetric memory, gradients viewing them: ``all_reduce_symmetric``
-      with AVG): ``n - 1`` adds over ``G/n``, a division of ``G/n``, copies of ``(n-1)/n G`` from
-      the peers: ``(n-1)/n (add + copy) + scale/n``;
+    * ``ours`` (buckets in symmetric memory, ``all_reduce_symmetric`` with AVG): autograd's
+      fresh gradients (``zero_grad(set_to_none=True)``, as every row here) copied into the
+      buckets, then ``n - 1`` adds over ``G/n``, a division of ``G/n``, copies of ``(n-1)/n G``
+      from the peers: ``copy + (n-1)/n (add + copy) + scale/n``;
     * ``torch DDP ringddp`` (torch's reducer scales each gradient into a private bucket and copies
       the result back; the two-shot all-reduce copies ``(n-1)/n G`` into the region, reduces
       ``G/n``, copies it back and ``(n-1)/n G`` from the peers):
@@ -470,7 +474,7 @@ def step_passes_ms(passes: dict[str, float], world_size: int) -> dict[str, float
     n = world_size
     copy, scale, add = passes["copy_ms"], passes["scale_ms"], passes["add_ms"]
     share = (n - 1) / n
-    return {"ours": share * (add + copy) + scale / n, "torch DDP ringddp": scale + copy + share * (add + 2 * copy) + copy / n}
+    return {"ours": copy + share * (add + copy) + scale / n, "torch DDP ringddp": scale + copy + share * (add + 2 * copy) + copy / n}
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

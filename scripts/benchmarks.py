@@ -394,13 +394,14 @@ Linear(2048), 16.8 M parameters, batch 64 per rank, 2 ranks) with torch's
   all-reduce, whose traffic emptied the caches) and `busy` (a 16 MiB all-reduce in flight);
 - the last line: ms of one pass over the step's gradients (`copy`, `scale`: a copy that
   multiplies, as torch's reducer fills its buckets, `add`: two reads and a write), every rank at
-  once, and what the passes of each row's reduction add up to on shared memory: ours reads the
-  peers' buckets in place (`(n-1)/n (add + copy) + scale/n`), torch's reducer copies every
-  gradient into a private bucket and back and our all-reduce then copies through the regions
-  (`scale + copy + (n-1)/n (add + 2 copy) + copy/n`). With a core per rank these passes take the
-  core from backward, so they estimate the least `comm` can be (`ddp/bench.py`,
-  `step_passes_ms`); roughly: the local row allocates fresh gradients every step and our DDP
-  does not (its gradients stay in its buckets), which can bring ours below the estimate.
+  once, and what the passes of each row's reduction add up to on shared memory: ours copies
+  autograd's fresh gradients into its buckets and reads the peers' buckets in place (`copy +
+  (n-1)/n (add + copy) + scale/n`), torch's reducer copies every gradient into a private bucket
+  and back and our all-reduce then copies through the regions (`scale + copy + (n-1)/n (add + 2
+  copy) + copy/n`). With a core per rank these passes take the core from backward, so they
+  estimate the least `comm` can be (`ddp/bench.py`, `step_passes_ms`); roughly: the local row
+  keeps every fresh gradient until `zero_grad`, so it gets new pages every step, while a DDP
+  frees each once it is in a bucket, which can bring a DDP row below the estimate.
 
 Our DDP keeps its CPU buckets in symmetric memory, so on `shm` (the default, `auto`, on one host)
 each bucket's all-reduce reads the peers' buckets in place, and its `.grad` tensors are views
