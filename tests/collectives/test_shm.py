@@ -433,6 +433,45 @@ def test_float_sums_are_bitwise_identical_and_in_rank_order(shm_pools, world_siz
             assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (numel, rank, "not the rank-order fold")
 
 
+def cpus_after_sharing_one(rank: int, world_size: int, rounds: int) -> list[tuple[int, bool]]:
+    """Each round: put this rank on the first CPU of its mask (where the scheduler sometimes
+    leaves both ranks), give the mask back, run 100 all-reduces back to back; then the CPU it
+    is on and whether its affinity mask is the one it had. A round starts a move interval after
+    the barrier (whose waits may have moved a rank already)."""
+    import ctypes
+
+    from collectives.transport.shm.waiting import MOVE_INTERVAL
+
+    current_cpu = ctypes.CDLL(None).sched_getcpu
+    mask = os.sched_getaffinity(0)
+    t = torch.ones(1024)
+    out = []
+    for _ in range(rounds):
+        collectives.barrier()
+        time.sleep(MOVE_INTERVAL)
+        os.sched_setaffinity(0, {min(mask)})
+        os.sched_setaffinity(0, mask)
+        for _ in range(100):
+            collectives.all_reduce(t)
+        out.append((current_cpu(), os.sched_getaffinity(0) == mask))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_ranks_left_on_one_cpu_move_apart_without_pinning():
+    """Two ranks the scheduler left on one core take turns instead of running at once; the waiter
+    moves one off its peer's CPU, and leaves no mask changed. The kernel alone had separated them
+    within 100 calls in 5 of 8 tries, and put a moved rank back within the round in about 1 of
+    250 rounds; so 9 of 10 rounds apart fails the test without the moves 94 times in 100."""
+    rounds = 10
+    with WorkerPool(2, backend="shm", timeout=20.0) as pool:
+        per_rank = pool.run(cpus_after_sharing_one, rounds)
+    together = [i for i, ((cpu0, _), (cpu1, _)) in enumerate(zip(*per_rank)) if cpu0 == cpu1]
+    assert all(kept for rank in per_rank for _, kept in rank), "an affinity mask was left changed"
+    assert len(together) <= 1, f"rounds {together} ended with both ranks on one CPU"
+
+
 @pytest.mark.timeout(120)
 def test_auto_picks_shm_on_one_host(monkeypatch):
     monkeypatch.delenv("RINGDDP_BACKEND", raising=False)
