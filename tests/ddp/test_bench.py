@@ -70,8 +70,8 @@ def test_bench_smoke(tmp_path, capsys):
 def test_step_passes_count_what_each_row_moves():
     passes = {"copy_ms": 2.0, "scale_ms": 3.0, "add_ms": 4.0}
     # 2 ranks: ours copies the fresh gradients in, adds and copies half, divides half; torch's
-    # reducer scales in and copies
-    # out all of it, and the two-shot copies half in, adds half, copies it back and half out.
+    # reducer scales in and copies out all of it, and the two-shot copies half in, adds half,
+    # copies it back and half out.
     assert bench.step_passes_ms(passes, 2) == {"ours": 2 + 0.5 * (4 + 2) + 3 / 2, "torch DDP ringddp": 3 + 2 + 0.5 * (4 + 4) + 2 / 2}
     assert bench.step_passes_ms(passes, 4)["ours"] == pytest.approx(2 + 0.75 * 6 + 0.75)
 

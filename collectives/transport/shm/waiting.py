@@ -128,8 +128,9 @@ class Waiter:
         self._socks = socks
         self._peers = [q for q in range(self.world_size) if q != self.rank]
         self._spin, self._busy_spin = spin
-        # a caller with a core of its own keeps off its peers' CPUs (module docstring)
-        self._spread = bool(self._busy_spin) and _current_cpu is not None and len(os.sched_getaffinity(0)) > 1
+        # a caller with a core of its own (a busy spin: no more ranks than CPUs) keeps off its
+        # peers' CPUs (module docstring)
+        self._spread = bool(self._busy_spin) and _current_cpu is not None
         self._next_move = 0.0
         self._check_peers = check_peers
         self._dead: set[Peer] = set()
@@ -217,13 +218,13 @@ class Waiter:
         cpu = _current_cpu()
         words = self._ctrl
         words[self.rank][CPU] = cpu + 1
-        if peer > self.rank or words[peer][CPU] != cpu + 1 or time.monotonic() < self._next_move:
+        if peer > self.rank or words[peer][CPU] != cpu + 1 or (now := time.monotonic()) < self._next_move:
             return
         mask = os.sched_getaffinity(0)
         free = sorted(mask - {words[q][CPU] - 1 for q in self._peers} - {cpu})
         if not free:
             return
-        self._next_move = time.monotonic() + MOVE_INTERVAL
+        self._next_move = now + MOVE_INTERVAL
         try:
             os.sched_setaffinity(0, {free[0]})  # the kernel moves this thread now ...
         except OSError as exc:  # the CPU left our cpuset meanwhile, or a policy forbids it
