@@ -39,6 +39,10 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     AVG = "avg"
 
+    # members are singletons: identity hashing (C) instead of Enum's hash of the name (a Python
+    # frame on every lru_cache and dict lookup of the call path); never compared across processes
+    __hash__ = object.__hash__
+
     @classmethod
     def coerce(cls, op: object) -> "ReduceOp":
         """Accept our ReduceOp, torch.distributed.ReduceOp (a constant or a ``ReduceOp`` object),

@@ -80,6 +80,11 @@ def _lower_priority(steps: int) -> None:
         log.debug("communication thread keeps its priority: %s", exc)
 
 
+def _thread_name(ident: int) -> str:
+    """The name of the live thread ``ident`` (for error messages)."""
+    return next((t.name for t in threading.enumerate() if t.ident == ident), f"<thread {ident}>")
+
+
 def on_communication_thread() -> bool:
     """Whether this thread is a group's communication thread (it runs async collectives in the
     background, so its waits should give the core to the caller's compute soon)."""
@@ -182,19 +187,21 @@ class Executor:
     def __init__(self, name: str):
         self._name = name
         self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()  # ``with self._mutex`` takes no Python frame (the condition's does)
+        self._cond = threading.Condition(self._mutex)
         self._busy = False
         self._sleeping = False  # the communication thread waits on _cond for work
         self._thread: threading.Thread | None = None
+        self._thread_id: int | None = None  # its ident: compared on every call, cheaper than current_thread()
         self._closed = False
-        self._owner: threading.Thread | None = None  # the thread whose calls are queued or running
+        self._owner: int | None = None  # ident of the thread whose calls are queued or running
         self._nice = comm_nice()  # read here, on the caller's thread: a bad value raises to the caller
 
     def submit(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
         """Run ``fn`` in queue order; ``work`` completes when it has run (``async_op``: on the
         communication thread, and this returns at once). Called from the communication thread
         itself (a future callback), ``fn`` runs at once: see the module docstring."""
-        if threading.current_thread() is self._thread:
+        if threading.get_ident() == self._thread_id:
             try:
                 self._inline(fn, work, nested=True)
             except BaseException:
@@ -212,7 +219,7 @@ class Executor:
     def call(self, name: str, fn: Callable[[], None]) -> None:
         """Run ``fn`` synchronously in queue order: on this thread when nothing is queued (no
         handle, no thread hop), else behind the pending work."""
-        if threading.current_thread() is self._thread:  # a future callback: now (module docstring)
+        if threading.get_ident() == self._thread_id:  # a future callback: now (module docstring)
             self._inline(fn, None, nested=True)
         elif self._enter(name):
             self._inline(fn, None)
@@ -223,7 +230,7 @@ class Executor:
 
     def _enter(self, name: str) -> bool:
         """Claim the queue for an inline call if it is idle; False when the call must queue."""
-        with self._cond:
+        with self._mutex:
             if self._closed:
                 raise RuntimeError(f"{name}: the group was destroyed")
             self._check_thread(name)
@@ -246,7 +253,7 @@ class Executor:
                 work.finish(None)
         finally:
             if not nested:
-                with self._cond:
+                with self._mutex:
                     self._busy = False
                     if self._queue and self._sleeping:
                         self._cond.notify()
@@ -263,13 +270,13 @@ class Executor:
 
     def _check_thread(self, op_name: str) -> None:
         """Refuse a call from a second thread while another thread's calls are pending (see the module doc)."""
-        me = threading.current_thread()
-        if me is self._thread:  # a Future callback chaining a collective: ordered by the queue itself
+        me = threading.get_ident()
+        if me == self._thread_id:  # a Future callback chaining a collective: ordered by the queue itself
             return
-        if (self._busy or self._queue) and self._owner is not None and self._owner is not me:
+        if (self._busy or self._queue) and self._owner is not None and self._owner != me:
             raise RuntimeError(
-                f"{op_name}: thread {me.name!r} called a collective on group {self._name} while thread "
-                f"{self._owner.name!r} still has collectives queued or running on it. Ranks would pair the "
+                f"{op_name}: thread {_thread_name(me)!r} called a collective on group {self._name} while thread "
+                f"{_thread_name(self._owner)!r} still has collectives queued or running on it. Ranks would pair the "
                 "two threads' calls in different orders and mix their data. Issue a group's collectives "
                 "from one thread (or wait for them first), or give each thread its own group (new_group)"
             )
@@ -279,6 +286,7 @@ class Executor:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"ringddp-{self._name}", daemon=True)
             self._thread.start()
+            self._thread_id = self._thread.ident  # set before the thread can take work: we hold the lock
 
     def _loop(self) -> None:
         _thread_role.background = True

@@ -36,18 +36,19 @@ log = logging.getLogger(__name__)
 
 
 class _Operation:
-    """:meth:`ShmTransport.operation`'s context: labels the traffic; when the body raised,
-    withdraws what this rank published for single-copy reads (its caller may change those
-    tensors now); when it succeeded and the collective is checked, confirms the peers ran the
-    same call."""
+    """:meth:`ShmTransport.operation`'s context: labels the traffic (``transport.op``, as
+    :meth:`Transport.operation` does); when the body raised, withdraws what this rank published
+    for single-copy reads (its caller may change those tensors now); when it succeeded and the
+    collective is checked, confirms the peers ran the same call."""
 
-    __slots__ = ("transport", "label", "checked")
+    __slots__ = ("transport", "name", "previous", "checked")
 
-    def __init__(self, transport: "ShmTransport", label: ContextManager[None], checked: bool):
-        self.transport, self.label, self.checked = transport, label, checked
+    def __init__(self, transport: "ShmTransport", name: str, checked: bool):
+        self.transport, self.name, self.checked = transport, name, checked
 
     def __enter__(self) -> None:
-        self.label.__enter__()
+        transport = self.transport
+        self.previous, transport.op = transport.op, self.name
 
     def __exit__(self, kind: object, *rest: object) -> None:
         try:
@@ -56,7 +57,7 @@ class _Operation:
             elif self.checked:
                 self.transport.confirm()
         finally:
-            self.label.__exit__(kind, *rest)
+            self.transport.op = self.previous
 
 
 class ShmTransport(Transport):
@@ -119,7 +120,7 @@ class ShmTransport(Transport):
         header = wire.current()
         checked = header is not None and self.world_size > 1
         self._check.begin(header if checked else None)
-        return _Operation(self, super().operation(name), checked)
+        return _Operation(self, name, checked)
 
     def confirm(self) -> None:
         """End of a checked collective: wait until every peer has started it, compare headers
