@@ -135,6 +135,7 @@ class AlgorithmEngine:
         if host_transport is not None and self._spans_hosts():  # made now, so that transport_op labels it
             self._hierarchy = hierarchical.Hierarchy.of(transport, self.layout, host_transport)
         self._symmetric: list[list[torch.Tensor]] = []  # per allocation: every rank's memory
+        self._shared: SharedRegions | None = None  # the transport's regions, once it has them
 
     def transport_op(self, name: str) -> ContextManager[None]:
         if self._hierarchy is None:
@@ -145,8 +146,11 @@ class AlgorithmEngine:
         return labels
 
     def _regions(self) -> SharedRegions | None:
-        """The transport's shared regions (``shm``), if it has them and there are peers."""
-        return self.transport.shared_regions() if self.transport.world_size > 1 else None
+        """The transport's shared regions (``shm``), if it has them and there are peers (kept
+        once found: a transport that has them keeps them until it closes, with the engine)."""
+        if self._shared is None and self.transport.world_size > 1:
+            self._shared = self.transport.shared_regions()
+        return self._shared
 
     def _segment_elems(self, buf: torch.Tensor) -> int:
         return max(1, self.tuning.segment_bytes // buf.element_size())

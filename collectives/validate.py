@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from .ops import check_dtype
+from .ops import SUPPORTED_DTYPES, check_dtype
 
 #: A non-contiguous view is refused when its contiguous copy exceeds both this many bytes ...
 COPY_LIMIT_BYTES = 1 << 30
@@ -61,13 +61,13 @@ def tensor(t: object, op_name: str, what: str = "tensor") -> torch.Tensor:
     """Check that ``t`` is a dense tensor collectives can carry; return it."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op_name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    layout = _layout_name(t)
-    if layout is not None:
+    if t.is_nested or t.layout is not torch.strided or t.is_quantized or t.is_meta:  # _layout_name's cases
         raise TypeError(
-            f"{op_name}: {what} is a {layout} tensor; collectives carry dense (strided) tensors only: "
+            f"{op_name}: {what} is a {_layout_name(t)} tensor; collectives carry dense (strided) tensors only: "
             "pass .to_dense() (or the tensor's values), or a real-device tensor"
         )
-    check_dtype(t.dtype, op_name)
+    if t.dtype not in SUPPORTED_DTYPES:
+        check_dtype(t.dtype, op_name)
     if not t.is_contiguous():
         _check_copy(t, op_name, what)
     return t

@@ -233,9 +233,10 @@ class Executor:
         with self._mutex:
             if self._closed:
                 raise RuntimeError(f"{name}: the group was destroyed")
-            self._check_thread(name)
             if self._busy or self._queue:
+                self._check_thread(name)
                 return False
+            self._owner = threading.get_ident()  # idle: any thread may claim it (_check_thread)
             self._busy = True
             return True
 

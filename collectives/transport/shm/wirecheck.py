@@ -93,7 +93,7 @@ class WireCheck:
                     self._ctrl[q][pair : pair + 2] = array.array("q", (h.sends[q], h.recvs[q]))
             mine[CALL + 1 : CALL + LINE] = array.array("q", h.fields(0, 0)[1:LINE])
             self._published_header = h
-        fence()
+            fence()  # the fields before the number (unchanged fields need no fence)
         mine[CALL] = self.seq
         self._wake(ON_CALL)
 
