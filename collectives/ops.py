@@ -55,12 +55,12 @@ class ReduceOp(enum.Enum):
                 return cls(op.lower())
             except ValueError:
                 pass
-        elif op in _FROM_TORCH:
-            return _FROM_TORCH[op]
-        elif isinstance(op, dist.ReduceOp):  # the object form, as in torch's options structs
-            for theirs, ours in _FROM_TORCH.items():
-                if op == theirs:
-                    return ours
+        else:
+            # torch's constant, or its object form (options structs) holding one in .op; looked
+            # up by value: hashing torch's constant costs more than the rest of the call
+            code = op if type(op) is _TORCH_CONSTANT else getattr(op, "op", None)
+            if type(code) is _TORCH_CONSTANT and (ours := _FROM_TORCH_CODE.get(int(code))) is not None:
+                return ours
         raise ValueError(f"unsupported reduce op {op!r}; expected one of {[o.name for o in cls]}")
 
     def to_torch(self) -> dist.ReduceOp:
@@ -74,7 +74,8 @@ _TO_TORCH = {
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.AVG: dist.ReduceOp.AVG,
 }
-_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_TORCH_CONSTANT = type(dist.ReduceOp.SUM)  # torch's ReduceOp.RedOpType
+_FROM_TORCH_CODE = {int(theirs): ours for ours, theirs in _TO_TORCH.items()}
 
 
 def check_dtype(dtype: torch.dtype, op_name: str) -> None:
