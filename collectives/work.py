@@ -187,10 +187,15 @@ class Executor:
     def __init__(self, name: str):
         self._name = name
         self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
-        self._mutex = threading.Lock()  # ``with self._mutex`` takes no Python frame (the condition's does)
-        self._cond = threading.Condition(self._mutex)
+        self._mutex = threading.Lock()  # guards the fields below
         self._busy = False
-        self._sleeping = False  # the communication thread waits on _cond for work
+        # The communication thread sleeps by acquiring _bell, held while it is awake; whoever
+        # queues work for a sleeping thread releases it once (_ring). A lock rather than a
+        # threading.Condition: single C calls instead of the condition's Python frames (a queued
+        # call back to back 1.16 -> 0.89 µs; waking a sleeping thread stays ~3 µs, its system call).
+        self._bell = threading.Lock()
+        self._bell.acquire()
+        self._sleeping = False
         self._thread: threading.Thread | None = None
         self._thread_id: int | None = None  # its ident: compared on every call, cheaper than current_thread()
         self._closed = False
@@ -256,18 +261,23 @@ class Executor:
             if not nested:
                 with self._mutex:
                     self._busy = False
-                    if self._queue and self._sleeping:
-                        self._cond.notify()
+                    if self._queue:
+                        self._ring()
 
     def _enqueue(self, work: Work, fn: Callable[[], None]) -> None:
-        with self._cond:
+        with self._mutex:
             if self._closed:
                 raise RuntimeError(f"{work.name}: the group was destroyed")
             self._check_thread(work.name)
             self._queue.append((work, fn))
             self._ensure_thread()
-            if self._sleeping:  # waking a blocked thread is a system call: only when it sleeps
-                self._cond.notify()
+            self._ring()
+
+    def _ring(self) -> None:
+        """Wake the communication thread if it sleeps (a system call: only then). Hold _mutex."""
+        if self._sleeping:
+            self._sleeping = False
+            self._bell.release()
 
     def _check_thread(self, op_name: str) -> None:
         """Refuse a call from a second thread while another thread's calls are pending (see the module doc)."""
@@ -293,15 +303,18 @@ class Executor:
         _thread_role.background = True
         _lower_priority(self._nice)
         while True:
-            with self._cond:
-                while not self._closed and (self._busy or not self._queue):
-                    self._sleeping = True
-                    self._cond.wait()
-                    self._sleeping = False
-                if self._closed and not self._queue:
-                    return
-                work, fn = self._queue.popleft()
-                self._busy = True
+            with self._mutex:
+                sleep = not self._closed and (self._busy or not self._queue)
+                if sleep:
+                    self._sleeping = True  # then wait for _ring, outside the lock
+                elif not self._queue:
+                    return  # closed, and nothing left
+                else:
+                    work, fn = self._queue.popleft()
+                    self._busy = True
+            if sleep:
+                self._bell.acquire()  # returns at once if _ring came first
+                continue
             try:
                 fn()
                 work.finish(None)
@@ -309,13 +322,13 @@ class Executor:
                 log.debug("%s failed on the communication thread: %s", work.name, exc)
                 work.finish(exc)
             finally:
-                with self._cond:
+                with self._mutex:
                     self._busy = False
 
     def close(self) -> None:
         """Finish what is queued, then stop the thread."""
-        with self._cond:
+        with self._mutex:
             self._closed = True
-            self._cond.notify_all()
+            self._ring()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
