@@ -252,3 +252,35 @@ def test_the_communication_thread_yields_the_core_to_the_caller(monkeypatch):
             work.comm_nice()
     monkeypatch.setenv("RINGDDP_COMM_NICE", "3")
     assert work.comm_nice() == 3
+
+
+@pytest.mark.timeout(60)
+def test_executor_keeps_submission_order_across_inline_queued_and_async_calls():
+    """One thread mixing async, blocking-while-queued and blocking-idle calls: every call runs
+    once, in submission order, and a sleeping communication thread wakes for each (a lost wake-up
+    would hang here, under the timeout); close() with the thread asleep stops it."""
+    import threading
+
+    from collectives.work import Executor
+
+    ex = Executor("order")
+    ran: list[int] = []
+    handles = []
+    for i in range(3000):
+        if i % 3 == 0:
+            handles.append(ex.submit(Work("async"), lambda i=i: ran.append(i), True))
+        else:
+            ex.call("blocking", lambda i=i: ran.append(i))  # inline when idle, else behind the queue
+        if i % 50 == 0:
+            handles[-1].wait(10.0)
+            time.sleep(0.001)  # lets the thread fall asleep before the next call must wake it
+    for work in handles:
+        assert work.wait(10.0)
+    assert ran == list(range(3000))
+    thread = next(t for t in threading.enumerate() if t.name == "ringddp-order")
+    time.sleep(0.01)
+    ex.close()
+    thread.join(5.0)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        ex.call("late", lambda: None)
