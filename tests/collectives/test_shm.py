@@ -472,6 +472,51 @@ def test_ranks_left_on_one_cpu_move_apart_without_pinning():
     assert len(together) <= 1, f"rounds {together} ended with both ranks on one CPU"
 
 
+def cpu_after_a_stale_word(rank: int, world_size: int, rounds: int) -> list[tuple[int, int]]:
+    """Each round: run calls with rank 0 on CPU b and rank 1 on CPU a (so rank 0's published CPU
+    is b), swap them (masks given back at once), let the words age, then one all-reduce that
+    rank 1 enters first. Returns, per round, (the CPU this rank ended on, where rank 0 was)."""
+    import ctypes
+
+    current_cpu = ctypes.CDLL(None).sched_getcpu
+    mask = os.sched_getaffinity(0)
+    a, b = sorted(mask)[:2]
+    t = torch.ones(1024)
+    collectives.all_reduce(t)  # set up with the whole mask: a core per rank, so the waits spread
+    out = []
+    for _ in range(rounds):
+        os.sched_setaffinity(0, {b if rank == 0 else a})
+        for _ in range(20):
+            if rank == 1:  # rank 0 comes first, waits, and publishes b
+                time.sleep(0.0002)
+            collectives.all_reduce(t)
+        os.sched_setaffinity(0, {a if rank == 0 else b})  # the kernel moves us now, and leaves us there
+        os.sched_setaffinity(0, mask)
+        time.sleep(0.02)  # the words age past CPU_FRESH; no wait publishes meanwhile
+        if rank == 0:  # rank 1 waits first and reads rank 0's old word: "b", its own CPU
+            end = time.perf_counter() + 0.0003
+            while time.perf_counter() < end:
+                pass
+        where0 = current_cpu()
+        collectives.all_reduce(t)
+        out.append((current_cpu(), where0))
+        collectives.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_stale_cpu_word_does_not_move_a_rank_onto_its_peer():
+    """A peer's CPU is trusted only while fresh: rank 0's word says the CPU rank 1 now runs on,
+    but rank 0 has moved since; moving rank 1 "away" would put it on rank 0's CPU (what the
+    bench saw after gloo's calls: ranks together for whole samples, 87 µs a call)."""
+    rounds = 6
+    with WorkerPool(2, backend="shm", timeout=20.0) as pool:
+        per_rank = pool.run(cpu_after_a_stale_word, rounds)
+    rank1_on_rank0 = [i for i, ((_, where0), (cpu1, _)) in enumerate(zip(*per_rank)) if cpu1 == where0]
+    assert len(rank1_on_rank0) <= 1, f"rounds {rank1_on_rank0}: rank 1 moved onto rank 0's CPU"
+
+
 @pytest.mark.timeout(120)
 def test_auto_picks_shm_on_one_host(monkeypatch):
     monkeypatch.delenv("RINGDDP_BACKEND", raising=False)

@@ -10,7 +10,8 @@ counter with the value it waits for. The words of rank ``r``'s block, by index:
 * ``DONE``: pieces ``r`` has finished (it no longer reads anybody's half of them).
 * ``SLEEPING``: the events (``ON_*``) ``r`` is asleep on, 0 when awake; ``ABANDONED``: set
   once when ``r`` found a mismatch, so its peers stop waiting; ``CPU``: the CPU on which ``r``'s
-  caller last began a wait, plus one (0: none yet; advisory, see :mod:`.waiting`).
+  caller last began a wait, plus one, in the low bits, and when (0: none yet; advisory, see
+  :mod:`.waiting`).
 * ``CALL`` .. ``CALL + 7``: the checked collective ``r`` runs: its number, then its
   :class:`~collectives.wire.Header` fields (a seqlock: the number is 0 while they change).
 * From ``PAIR + s * PAIR``, four lines per sender ``s`` (the FIFO from ``s`` to ``r``): the
@@ -35,7 +36,7 @@ SEQ, DONE, SLEEPING = 0, LINE, 2 * LINE  # region-algorithm step, pieces done, w
 # publishes one of them writes a wake-up byte only to the peers sleeping on it
 ON_MESSAGE, ON_STEP, ON_DONE, ON_CALL, ON_ANY = 1, 2, 4, 8, 15
 ABANDONED = SLEEPING + 1  # set once by a rank that found a mismatch: its peers stop waiting
-CPU = SLEEPING + 2  # the CPU where the owner's caller last began a wait, + 1 (read without a fence)
+CPU = SLEEPING + 2  # where and when the owner's caller last began a wait (.waiting; read without a fence)
 TAG = SEQ + 1  # two words after the step: the signature of the piece in each half
 CALL = 3 * LINE  # the checked collective under way: its number, then its wire.Header fields
 PAIR = 4 * LINE  # per sender: head line, tail line, slot-size line, slot-tag line

@@ -18,16 +18,20 @@ sides). A sleeping waiter costs its peers a system call and itself a wake-up (on
 Two ranks that each have a core can still end up on one: the scheduler leaves tasks that keep
 yielding where they are, and two spinning ranks on one core take turns instead of running at
 once (a 4 KiB all-reduce back to back: ~70 µs a call instead of ~20). So a caller publishes the
-CPU it waits on; when the peer it waits for last waited on the same CPU, the higher of the two
-ranks moves itself to a CPU of its affinity mask that no peer reported, by narrowing its mask to
-that CPU and restoring it at once: the kernel migrates the thread on the first call and leaves it
+CPU it waits on, and when; when the peer it waits for began a wait on the same CPU within
+:data:`CPU_FRESH`, the higher of the two ranks moves itself to a CPU of its affinity mask that no
+peer reported as recently, by narrowing its mask to that CPU and restoring it at once: the kernel migrates the thread on the first call and leaves it
 there, so nothing stays pinned (pinning measured 8x slower for gloo's threads sharing a rank's
 core). At most one move per :data:`MOVE_INTERVAL`, so a scheduler that keeps putting the ranks
 together costs a move (~40 µs) per 10 ms at most. Measured at 2 ranks on 2 cores, 4 KiB
 all-reduce, ``collectives.bench --timing loop``, five interleaved runs each: 26-32 µs a call
 with moves, 26-82 µs without (the ranks shared a core in most runs); after both ranks were put
 on one CPU, they were apart 100 calls later in 498 of 500 rounds with moves (in the other two
-the kernel put the moved rank back within the round) against 5 of 8 without.
+the kernel put the moved rank back within the round) against 5 of 8 without. Older reports are
+ignored because the kernel moves ranks meanwhile: trusting them, a rank whose peer had last
+waited on its CPU, tens of ms before (the bench's gloo calls in between), "moved away" onto the
+CPU the peer had moved to, and the two shared a core for the rest of the sample (3 of 12
+samples of 50 calls after 50 of gloo's, 87 µs a call there; none with the freshness check).
 
 The same sockets report a dead peer (EOF: the kernel closes them when a process dies, even by
 SIGKILL), and ``poll`` carries the group's deadline, so a stopped peer gives a
@@ -56,6 +60,9 @@ log = logging.getLogger(__name__)
 BUSY_SPIN = 10e-6  # seconds a waiter with a core of its own spins without yielding (see spin_times)
 BACKGROUND_SPIN = 20e-6  # seconds a communication thread spins (yielding) before it sleeps
 MOVE_INTERVAL = 0.01  # seconds between two moves of a rank off its peer's CPU (see the module doc)
+CPU_FRESH = 1e-3  # seconds a peer's published CPU is trusted: then it may have slept and woken elsewhere
+CPU_BITS = 12  # the CPU word: the µs it was published at, then the CPU + 1 in its low bits
+CPU_MASK = (1 << CPU_BITS) - 1
 
 
 def _cpu_reader() -> Callable[[], int] | None:
@@ -130,7 +137,7 @@ class Waiter:
         self._spin, self._busy_spin = spin
         # a caller with a core of its own (a busy spin: no more ranks than CPUs) keeps off its
         # peers' CPUs (module docstring)
-        self._spread = bool(self._busy_spin) and _current_cpu is not None
+        self._spread = bool(self._busy_spin) and _current_cpu is not None and max(os.sched_getaffinity(0)) < CPU_MASK
         self._next_move = 0.0
         self._check_peers = check_peers
         self._dead: set[Peer] = set()
@@ -212,16 +219,22 @@ class Waiter:
                 )
 
     def _keep_apart(self, peer: Peer) -> None:
-        """Publish this thread's CPU; if ``peer`` (a lower rank) last waited on it, move to a CPU
-        of the affinity mask that no peer reported, keeping the mask as it was."""
+        """Publish this thread's CPU; if ``peer`` (a lower rank) began a wait on it within
+        :data:`CPU_FRESH`, move to a CPU of the affinity mask that no peer reported as recently,
+        keeping the mask as it was."""
         assert _current_cpu is not None
-        cpu = _current_cpu()
+        cpu, now = _current_cpu(), time.monotonic()
+        stamp = int(now * 1e6) << CPU_BITS  # µs of the system-wide monotonic clock
         words = self._ctrl
-        words[self.rank][CPU] = cpu + 1
-        if peer > self.rank or words[peer][CPU] != cpu + 1 or (now := time.monotonic()) < self._next_move:
+        words[self.rank][CPU] = stamp | (cpu + 1)
+        if peer > self.rank or words[peer][CPU] & CPU_MASK != cpu + 1 or now < self._next_move:
+            return
+        fresh = stamp - (int(CPU_FRESH * 1e6) << CPU_BITS)
+        recent = {w & CPU_MASK for q in self._peers if (w := words[q][CPU]) >= fresh}
+        if cpu + 1 not in recent:  # the peer was here, but long ago: where it is now is unknown
             return
         mask = os.sched_getaffinity(0)
-        free = sorted(mask - {words[q][CPU] - 1 for q in self._peers} - {cpu})
+        free = sorted(mask - {c - 1 for c in recent} - {cpu})
         if not free:
             return
         self._next_move = now + MOVE_INTERVAL
@@ -232,7 +245,7 @@ class Waiter:
             self._spread = False
             return
         os.sched_setaffinity(0, mask)  # ... and does not move it back: nothing stays pinned
-        words[self.rank][CPU] = free[0] + 1
+        words[self.rank][CPU] = stamp | (free[0] + 1)
 
     def _drain(self, q: Peer) -> None:
         """Read the wake-up bytes ``q`` sent; on EOF or a reset, count ``q`` dead."""
