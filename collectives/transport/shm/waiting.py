@@ -20,9 +20,9 @@ yielding where they are, and two spinning ranks on one core take turns instead o
 once (a 4 KiB all-reduce back to back: ~70 µs a call instead of ~20). So a caller publishes the
 CPU it waits on, and when; when the peer it waits for began a wait on the same CPU within
 :data:`CPU_FRESH`, the higher of the two ranks moves itself to a CPU of its affinity mask that no
-peer reported as recently, by narrowing its mask to that CPU and restoring it at once: the kernel migrates the thread on the first call and leaves it
-there, so nothing stays pinned (pinning measured 8x slower for gloo's threads sharing a rank's
-core). At most one move per :data:`MOVE_INTERVAL`, so a scheduler that keeps putting the ranks
+peer reported as recently, by narrowing its mask to that CPU and restoring it at once: the
+kernel migrates the thread on the first call and leaves it there, so nothing stays pinned
+(pinning measured 8x slower for gloo's threads sharing a rank's core). At most one move per :data:`MOVE_INTERVAL`, so a scheduler that keeps putting the ranks
 together costs a move (~40 µs) per 10 ms at most. Measured at 2 ranks on 2 cores, 4 KiB
 all-reduce, ``collectives.bench --timing loop``, five interleaved runs each: 26-32 µs a call
 with moves, 26-82 µs without (the ranks shared a core in most runs); after both ranks were put
@@ -137,7 +137,9 @@ class Waiter:
         self._spin, self._busy_spin = spin
         # a caller with a core of its own (a busy spin: no more ranks than CPUs) keeps off its
         # peers' CPUs (module docstring)
-        self._spread = bool(self._busy_spin) and _current_cpu is not None and max(os.sched_getaffinity(0)) < CPU_MASK
+        self._spread = (
+            bool(self._busy_spin) and _current_cpu is not None and max(os.sched_getaffinity(0)) < CPU_MASK
+        )
         self._next_move = 0.0
         self._check_peers = check_peers
         self._dead: set[Peer] = set()
