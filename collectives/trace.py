@@ -30,7 +30,11 @@ from typing import Any, Iterator, Sequence
 Event = dict[str, Any]
 
 _active: "Tracer | None" = None
-_labels = threading.local()
+class _Labels(threading.local):
+    text: str | None = None  # a class default: reading it on a fresh thread raises nothing
+
+
+_labels = _Labels()
 
 
 class Tracer:
@@ -137,7 +141,7 @@ def span(name: str, cat: str = "user", **args: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def label(text: str) -> Iterator[None]:
     """Name the collectives *submitted* by this thread inside the block (e.g. ``"bucket 3"``)."""
-    previous = getattr(_labels, "text", None)
+    previous = _labels.text
     _labels.text = text
     try:
         yield
@@ -147,7 +151,7 @@ def label(text: str) -> Iterator[None]:
 
 def current_label() -> str | None:
     """The label set by :func:`label` on this thread, if any."""
-    return getattr(_labels, "text", None)
+    return _labels.text
 
 
 def chrome_trace(per_rank: Sequence[Sequence[Event]]) -> dict[str, Any]:

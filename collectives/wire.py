@@ -181,17 +181,21 @@ def _header(name: str, dtype: str, numel: int, op: str, root: int, algorithm: st
     return Header(name, dtype, numel, op, root, algorithm, _code(str(tuning)), sends, recvs, exchange)
 
 
-_current = threading.local()
+class _Current(threading.local):
+    header: "Header | None" = None  # a class default: no AttributeError raised on a fresh thread
+
+
+_current = _Current()
 
 
 def swap(h: Header | None) -> Header | None:
     """Make ``h`` the header of the collective this thread runs next; returns the previous one
     (restore it when the collective ends)."""
-    previous = getattr(_current, "header", None)
+    previous = _current.header
     _current.header = h
     return previous
 
 
 def current() -> Header | None:
     """The header of the collective this thread is running, if it is checked."""
-    return getattr(_current, "header", None)
+    return _current.header

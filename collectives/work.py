@@ -48,7 +48,13 @@ from .errors import CollectiveTimeoutError, timeout_seconds
 
 log = logging.getLogger(__name__)
 
-_thread_role = threading.local()
+class _Role(threading.local):
+    # a class default: getattr with a default on a missing attribute raises and catches an
+    # AttributeError inside, ~0.3 µs warm and ~8 µs when the call comes with cold caches
+    background = False
+
+
+_thread_role = _Role()
 
 
 #: how much lower (``nice`` steps) a communication thread runs than its process, by default.
@@ -88,7 +94,7 @@ def _thread_name(ident: int) -> str:
 def on_communication_thread() -> bool:
     """Whether this thread is a group's communication thread (it runs async collectives in the
     background, so its waits should give the core to the caller's compute soon)."""
-    return getattr(_thread_role, "background", False)
+    return _thread_role.background
 
 
 class Work:
