@@ -224,8 +224,17 @@ def test_default_level_turns_a_size_mismatch_into_a_collective_error(monkeypatch
 def test_with_checks_off_a_mismatch_times_out_instead_of_killing_a_rank(monkeypatch):
     """With RINGDDP_DEBUG=OFF there is no header exchange, but payload messages are still tagged
     with what they are: the mismatched messages never pair (gloo would abort the receiver of a
-    longer message than it posted), so both ranks wait and raise CollectiveTimeoutError."""
+    longer message than it posted), so both ranks wait to their deadline and raise, none killed.
+    The first rank whose deadline passes raises CollectiveTimeoutError, and gloo closes its side
+    of the connection: a peer whose own deadline is a fraction of a ms later may find that first
+    and raise a CollectiveError naming the peer that gave up (4 of 14 runs in a loop); both
+    outcomes are the peer-naming errors we promise."""
     monkeypatch.setenv("RINGDDP_DEBUG", "OFF")
+    started = time.monotonic()
     results = collectives.launch(silent_mismatch_then_linger, 2, backend="p2p", timeout=5.0, join_timeout=60)
-    for kind, op, message in results:
-        assert (kind, op) == ("error", "all_reduce") and "timed out" in message, message
+    for rank, (kind, op, message) in enumerate(results):
+        peer = 1 - rank
+        assert (kind, op) == ("error", "all_reduce"), message
+        assert "timed out" in message or f"recv from rank {peer} failed" in message, message
+    assert any("timed out" in message for _, _, message in results), results
+    assert time.monotonic() - started > 5.0  # at the deadline, not before
