@@ -29,8 +29,8 @@ one call from a common start, but the ranks leave torch's barrier tens to hundre
 logs it per world size and stores it as ``barrier_skew_us``), which the first rank out waits
 through: at small sizes that is more than the collective itself. The loop mode is the rate a
 training loop issuing the op repeatedly sees; both modes treat every column alike.
-``--check-cost`` adds an ``off`` row, ours again with ``RINGDDP_DEBUG=OFF`` (payload tags but
-no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
+``--check-cost`` adds an ``off`` row, ours again at level ``OFF`` (``RINGDDP_DEBUG=OFF``: payload
+tags but no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
 ``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
 (``RINGDDP_DEBUG``, default CHECK).
 """
@@ -41,7 +41,6 @@ import argparse
 import json
 import contextlib
 import logging
-import os
 import resource
 import statistics
 import sys
@@ -54,7 +53,7 @@ import torch.distributed as tdist
 
 import collectives
 
-from . import costmodel, ring
+from . import costmodel, debug, ring
 from .backends import backend_argument, describe_backends, device_type_of
 from .engine import AlgorithmEngine, Engine
 from .group import get_default_group, new_group
@@ -246,16 +245,14 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def _checks_off():
-    """Run ours with ``RINGDDP_DEBUG=OFF`` inside the block (the level is read per call)."""
-    previous = os.environ.get("RINGDDP_DEBUG")
-    os.environ["RINGDDP_DEBUG"] = "OFF"
+    """Run ours at checking level ``OFF`` inside the block (:func:`collectives.debug.set_level`,
+    on every rank at the same point)."""
+    previous = debug.level()
+    debug.set_level("OFF")
     try:
         yield
     finally:
-        if previous is None:
-            del os.environ["RINGDDP_DEBUG"]
-        else:
-            os.environ["RINGDDP_DEBUG"] = previous
+        debug.set_level(previous)
 
 
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,

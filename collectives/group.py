@@ -105,6 +105,7 @@ class Group:
         self.store = store
         self.hosts = list(hosts)
         self._rank = process_group.rank()
+        debug.read_environment()  # the checking level: an unknown $RINGDDP_DEBUG raises here
         self.mailbox = Mailbox()
         self._executor = Executor(name)
         self._broken: str | None = None

@@ -643,3 +643,31 @@ def uneven_all_to_all(rank, world_size):
 def test_uneven_all_to_all_is_no_mismatch_at_any_level(monkeypatch, level):
     monkeypatch.setenv("RINGDDP_DEBUG", level)
     assert collectives.launch(uneven_all_to_all, 2, timeout=20.0, join_timeout=90) == [[0.0, 1.0, 1.0], [0.0] * 3 + [1.0, 1.0]]
+
+
+def levels_in_force(rank, world_size):
+    """The checking level as a script sees it: from the environment when the group was made,
+    then what set_level says (on every rank alike), then the environment again."""
+    from collectives import debug
+
+    seen = [debug.level()]
+    debug.set_level("off")
+    seen.append(debug.level())
+    try:
+        collectives.all_reduce(torch.ones(5000 + rank * 7))  # a size mismatch: no header at OFF...
+    except collectives.CollectiveError as exc:
+        seen.append(type(exc).__name__)  # ... so only the deadline finds it
+    debug.set_level(None)
+    seen.append(debug.level())
+    try:
+        debug.set_level("loud")
+    except ValueError as exc:
+        seen.append("ValueError" if "expected one of OFF, CHECK, DETAIL" in str(exc) else str(exc))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_the_level_comes_from_the_environment_and_set_level_changes_it(monkeypatch):
+    monkeypatch.setenv("RINGDDP_DEBUG", "detail")
+    results = collectives.launch(levels_in_force, 2, backend="p2p", timeout=3.0, join_timeout=60)
+    assert results == [["DETAIL", "OFF", "CollectiveTimeoutError", "DETAIL", "ValueError"]] * 2
