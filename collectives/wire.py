@@ -161,7 +161,7 @@ def header(
 ) -> Header | None:
     """The header of a call (None for calls that are not :data:`COLLECTIVES`).
 
-    At ``RINGDDP_DEBUG=OFF`` (``level``, default: read now) the header only makes the tags
+    At level ``OFF`` (``level``, default: the level in force, :func:`collectives.debug.level`) the header only makes the tags
     (``exchange=False``).
 
     ``sizes``: for all-to-all, (bytes sent to, bytes expected from) each group rank.
