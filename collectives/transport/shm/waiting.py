@@ -22,8 +22,9 @@ CPU it waits on, and when; when the peer it waits for began a wait on the same C
 :data:`CPU_FRESH`, the higher of the two ranks moves itself to a CPU of its affinity mask that no
 peer reported as recently, by narrowing its mask to that CPU and restoring it at once: the
 kernel migrates the thread on the first call and leaves it there, so nothing stays pinned
-(pinning measured 8x slower for gloo's threads sharing a rank's core). At most one move per :data:`MOVE_INTERVAL`, so a scheduler that keeps putting the ranks
-together costs a move (~40 µs) per 10 ms at most. Measured at 2 ranks on 2 cores, 4 KiB
+(pinning measured 8x slower for gloo's threads sharing a rank's core). At most one move per
+:data:`MOVE_INTERVAL`, so a scheduler that keeps putting the ranks together costs a move
+(~40 µs) per 10 ms at most. Measured at 2 ranks on 2 cores, 4 KiB
 all-reduce, ``collectives.bench --timing loop``, five interleaved runs each: 26-32 µs a call
 with moves, 26-82 µs without (the ranks shared a core in most runs); after both ranks were put
 on one CPU, they were apart 100 calls later in 498 of 500 rounds with moves (in the other two
