@@ -247,8 +247,7 @@ def _iterations(nbytes: int, iters: int | None) -> tuple[int, int]:
 def _checks_off():
     """Run ours at checking level ``OFF`` inside the block (:func:`collectives.debug.set_level`,
     on every rank at the same point)."""
-    previous = debug.level()
-    debug.set_level("OFF")
+    previous = debug.set_level("OFF")
     try:
         yield
     finally:

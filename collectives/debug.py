@@ -51,7 +51,8 @@ DEFAULT_LEVEL = "CHECK"
 _SPELLINGS = {"": DEFAULT_LEVEL, "0": "OFF", "FALSE": "OFF", "1": "DETAIL", "ON": "DETAIL", "TRUE": "DETAIL"}
 
 
-_in_force: str | None = None  # set_level's choice, or the environment's as last read
+_chosen: str | None = None  # set_level's choice; None: the environment's
+_from_environment: str | None = None  # $RINGDDP_DEBUG's level as last read
 
 
 def level() -> str:
@@ -62,23 +63,33 @@ def level() -> str:
     ``KeyError`` inside ``os.environ.get``, 0.5 µs a call, ~12 µs on a call that finds the caches
     cold (the largest single cost of a cold 4 KiB all-reduce before its traffic).
     """
-    return _in_force if _in_force is not None else read_environment()
+    if _chosen is not None:
+        return _chosen
+    return _from_environment if _from_environment is not None else read_environment()
 
 
 def read_environment() -> str:
-    """Take the level from ``$RINGDDP_DEBUG`` (``ValueError`` for an unknown one): every group
-    creation does, so a level set before ``init_process_group`` / ``new_group`` applies."""
-    global _in_force
-    _in_force = _level(os.environ.get("RINGDDP_DEBUG", ""))
-    return _in_force
+    """Read the level from ``$RINGDDP_DEBUG`` (``ValueError`` for an unknown one): every group
+    creation does, so a level set before ``init_process_group`` / ``new_group`` applies (unless
+    :func:`set_level` chose one)."""
+    global _from_environment
+    _from_environment = _level(os.environ.get("RINGDDP_DEBUG", ""))
+    return _from_environment
 
 
-def set_level(name: str | None) -> None:
+def set_level(name: str | None) -> str | None:
     """Change the level from the next collective on (``"OFF"``, ``"CHECK"``, ``"DETAIL"``, or the
-    spellings ``$RINGDDP_DEBUG`` accepts); ``None`` reads ``$RINGDDP_DEBUG`` again. Every rank
-    must make the same change at the same point of its sequence of collectives."""
-    global _in_force
-    _in_force = read_environment() if name is None else _level(name)
+    spellings ``$RINGDDP_DEBUG`` accepts); ``None`` goes back to ``$RINGDDP_DEBUG``, read again.
+    Every rank must make the same change at the same point of its sequence of collectives.
+    Returns the previous choice (``None``: the environment's), to restore it with."""
+    global _chosen
+    previous = _chosen
+    if name is None:
+        _chosen = None
+        read_environment()
+    else:
+        _chosen = _level(name)
+    return previous
 
 
 @functools.lru_cache(maxsize=16)

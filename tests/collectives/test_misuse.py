@@ -647,11 +647,13 @@ def test_uneven_all_to_all_is_no_mismatch_at_any_level(monkeypatch, level):
 
 def levels_in_force(rank, world_size):
     """The checking level as a script sees it: from the environment when the group was made,
-    then what set_level says (on every rank alike), then the environment again."""
+    then what set_level says (on every rank alike; a group made later keeps it), then the
+    environment again."""
     from collectives import debug
 
     seen = [debug.level()]
     debug.set_level("off")
+    collectives.new_group(backend="p2p")  # reads the environment, but set_level's choice stands
     seen.append(debug.level())
     try:
         collectives.all_reduce(torch.ones(5000 + rank * 7))  # a size mismatch: no header at OFF...
