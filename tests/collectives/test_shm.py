@@ -530,6 +530,20 @@ def test_config_is_checked():
         ShmConfig(slot_bytes=100).validate()
 
 
+def test_config_reads_sizes_as_people_type_them(monkeypatch):
+    monkeypatch.setenv("RINGDDP_SHM_REGION_BYTES", "64M")
+    monkeypatch.setenv("RINGDDP_SHM_SLOT_BYTES", "256K")
+    monkeypatch.setenv("RINGDDP_SHM_SLOTS", "2")
+    monkeypatch.setenv("RINGDDP_SHM_SPIN_US", "20")
+    config = ShmConfig.from_env()
+    assert (config.region_bytes, config.slot_bytes, config.slots, config.spin_seconds) == (64 << 20, 256 << 10, 2, 20e-6)
+    for name, bad in (("RINGDDP_SHM_REGION_BYTES", "64Q"), ("RINGDDP_SHM_SLOTS", "four"), ("RINGDDP_SHM_SPIN_US", "fast")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}='{bad}': expected"):
+            ShmConfig.from_env()
+        monkeypatch.delenv(name)
+
+
 def mismatched_sizes(rank: int, world_size: int, numel: int) -> tuple[str, str | None, bool]:
     start = time.monotonic()
     try:

@@ -10,10 +10,12 @@ for messages *to* its owner, and the owner's *region*, two halves the shared-mem
 (``collectives/shm_algorithms.py``) fill and every peer reads directly. Size per rank:
 ``region_bytes + (n - 1) · slots · slot_bytes`` plus 4 KiB, by default 8 MiB + (n - 1) · 2 MiB
 (10 MiB per rank at 2 ranks, 14 MiB at 4, 56 MiB for a 4-rank job). ``RINGDDP_SHM_REGION_BYTES``,
-``RINGDDP_SHM_SLOT_BYTES``, ``RINGDDP_SHM_SLOTS`` change it and ``RINGDDP_SHM_CMA=0`` turns
-single-copy reads off (rank 0's values are used by every rank); ``RINGDDP_SHM_SPIN_US`` sets the
-spin before a caller's wait sleeps (a communication thread's is fixed and short, see ``waiting.py``). A file system too small fails on every rank with
-:class:`ShmUnavailableError` naming the size needed and the fixes.
+``RINGDDP_SHM_SLOT_BYTES`` (bytes, or ``8M``, ``512K``), ``RINGDDP_SHM_SLOTS`` change it and
+``RINGDDP_SHM_CMA=0`` turns single-copy reads off (rank 0's values are used by every rank);
+``RINGDDP_SHM_SPIN_US`` sets the spin before a caller's wait sleeps (a communication thread's is
+fixed and short, see ``waiting.py``). A bad value raises a ValueError naming the variable; a file
+system too small fails on every rank with :class:`ShmUnavailableError` naming the size needed and
+the fixes.
 
 One concept per file, lowest first (each imports only files listed before it):
 
