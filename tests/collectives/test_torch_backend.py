@@ -3,8 +3,12 @@
 Each job builds a ringddp group and a gloo group of the same ranks in the same processes and runs
 one program on both: every ``dist.*`` collective and point-to-point call, torch's
 DistributedDataParallel in its configurations and comm hooks, FSDP2, DTensor, functional
-collectives and ``torch.distributed.checkpoint``. At two ranks results are bitwise equal (a sum
-of two floats does not depend on order); at three, a float sum depends on the order of its
+collectives and ``torch.distributed.checkpoint``; every collective again over the inputs that
+break glue code (sizes 0, 1, below the world size, odd, 2-D, beyond a shared-memory piece; four
+dtypes; every reduce op; strided views, whose other elements must stay untouched), with
+integer-valued data so that any order of a sum is exact (gloo gets contiguous copies: it writes
+a strided tensor's storage as if it were contiguous). At two ranks results are bitwise equal (a
+sum of two floats does not depend on order); at three, a float sum depends on the order of its
 terms, which differs between gloo's algorithm and ours, so training is compared within float32
 rounding (``rtol=atol=1e-5``: a few ulps per step over a few steps), collectives of exact values
 bitwise. Failure paths, the default group (``init_process_group(backend="ringddp")`` under
@@ -225,6 +229,123 @@ def test_every_dist_call_matches_gloo(pools, world_size):
         assert names == (True, "ringddp", "ringddp")
         if rank in (0, world_size - 1):
             assert sub == float(world_size - 1)
+
+
+# ------------------------------------------------------------------ every input, through dist.*
+
+#: dtypes of :func:`every_input` (integer-valued data: sums and products exact in any order).
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    low = 0 if dtype == torch.uint8 else -3
+    return torch.randint(low, 4, shape, generator=g).to(dtype)
+
+
+def _input(shape: tuple[int, ...], dtype: torch.dtype, seed: int, strided: bool, base_out: list) -> torch.Tensor:
+    """Integer values of ``shape``; ``strided``: every second element of a wider tensor, whose
+    other elements hold a sentinel that no call may touch (``base_out`` collects the bases)."""
+    x = _values(shape, dtype, seed)
+    if not strided:
+        return x
+    wide = torch.full((*shape[:-1], 2 * shape[-1]) if shape else (2,), 7, dtype=dtype)
+    view = wide[..., ::2] if shape else wide[::2].reshape(())
+    view.copy_(x)
+    base_out.append(wide)
+    return view
+
+
+def every_input(rank: int, world_size: int) -> list[str]:
+    """Each dist.* collective on ringddp and on gloo over sizes 0, 1, < n, odd, 2-D and one beyond
+    a piece, every dtype of :data:`INPUT_DTYPES`, every reduce op, strided views (gloo gets
+    contiguous copies of the same values: it writes a strided tensor's storage as if it were
+    contiguous); returns the cases whose results differ, that only ours refused, or whose
+    strided bases had an element outside the view written. (A layout gloo refuses is skipped:
+    ours takes more, e.g. strided inputs to ``all_to_all_single``.)"""
+    ours, gloo = _groups(world_size)
+    n, bad = world_size, []
+    ops = (tdist.ReduceOp.SUM, tdist.ReduceOp.MAX, tdist.ReduceOp.MIN, tdist.ReduceOp.PRODUCT)
+    shapes = [(0,), (1,), (max(1, n - 1),), (7,), (5, 3), ((1 << 20) + 3,)]
+
+    def calls(shape: tuple[int, ...], dtype: torch.dtype, seed: int):
+        rows = (n * shape[0],) + shape[1:]
+        yield from ((f"all_reduce {op}", lambda x, g, op=op: tdist.all_reduce(x, op=op, group=g), shape) for op in ops)
+        yield "all_reduce async", lambda x, g: tdist.all_reduce(x, group=g, async_op=True).wait(), shape
+        yield "broadcast", lambda x, g: tdist.broadcast(x, src=n - 1, group=g), shape
+        yield "reduce", lambda x, g: tdist.reduce(x, dst=n - 1, group=g), shape
+        yield "scatter", lambda x, g: tdist.scatter(
+            x, [_values(shape, dtype, seed + j) for j in range(n)] if rank == 0 else None, src=0, group=g), shape
+        yield "all_gather", lambda x, g: _out(lambda o: tdist.all_gather(o, x, group=g), [torch.zeros_like(x) for _ in range(n)]), shape
+        yield "gather", lambda x, g: _out(lambda o: tdist.gather(x, o, dst=0, group=g),
+                                          [torch.zeros_like(x) for _ in range(n)] if rank == 0 else None), shape
+        yield "all_gather_into_tensor", lambda x, g: _out(lambda o: tdist.all_gather_into_tensor(o, x, group=g),
+                                                          torch.zeros(rows, dtype=dtype)), shape
+        yield "all_gather_into_tensor stacked", lambda x, g: _out(lambda o: tdist.all_gather_into_tensor(o, x, group=g),
+                                                                  torch.zeros((n, *shape), dtype=dtype)), shape
+        yield "reduce_scatter_tensor", lambda x, g: _out(lambda o: tdist.reduce_scatter_tensor(o, x, group=g),
+                                                         torch.zeros(shape, dtype=dtype)), rows
+        yield "all_to_all_single", lambda x, g: _out(lambda o: tdist.all_to_all_single(o, x, group=g),
+                                                     torch.zeros(rows, dtype=dtype)), rows
+        if len(shape) == 2:  # uneven: rank r sends (r + j) % 3 rows to rank j
+            sends, gets = [(rank + j) % 3 for j in range(n)], [(j + rank) % 3 for j in range(n)]
+            yield "all_to_all_single uneven", lambda x, g: _out(
+                lambda o: tdist.all_to_all_single(o, x, gets, sends, group=g), torch.zeros((sum(gets), shape[1]), dtype=dtype)
+            ), (sum(sends), shape[1])
+
+    seed = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of the *_tensor names
+        for dtype in INPUT_DTYPES:
+            for shape in shapes:
+                if shape[0] > 1000 and dtype != torch.float32:
+                    continue
+                for name, call, in_shape in calls(shape, dtype, 1000 * rank):
+                    for strided in (False, True):
+                        seed += 1
+                        bases: list[torch.Tensor] = []
+                        mine = _input(in_shape, dtype, 1000 * rank + seed, strided, bases)
+                        theirs = mine.clone()
+                        case = f"{name} {dtype} {tuple(in_shape)}{' strided' if strided else ''}"
+                        try:
+                            want = call(theirs, gloo)
+                        except (RuntimeError, ValueError):
+                            continue  # gloo refuses some layouts (an empty stacked output) that we take
+                        try:
+                            got = call(mine, ours)
+                        except (RuntimeError, ValueError) as exc:
+                            bad.append(f"{case}: {exc}")
+                            continue
+                        if name == "reduce" and rank != n - 1:
+                            mine = theirs  # a reduce leaves other ranks' tensors unspecified
+                        if not _equal(got, want) or not _equal(mine, theirs):
+                            bad.append(case)
+                        if bases and not bool((bases[0][..., 1::2] == 7).all()):
+                            bad.append(case + ": wrote outside the view")
+    for g in (ours, gloo):
+        tdist.destroy_process_group(g)
+    return bad
+
+
+def _out(call, outputs):
+    """Run ``call(outputs)``; the outputs are the result."""
+    call(outputs)
+    return outputs
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dist_calls_on_every_input_match_gloo(pools, world_size):
+    for rank, bad in enumerate(pools(world_size).run(every_input)):
+        assert not bad, f"rank {rank}: {len(bad)} cases differ from gloo, e.g. {bad[:8]}"
 
 
 def refusals(rank: int, world_size: int) -> dict:
