@@ -672,4 +672,7 @@ def levels_in_force(rank, world_size):
 def test_the_level_comes_from_the_environment_and_set_level_changes_it(monkeypatch):
     monkeypatch.setenv("RINGDDP_DEBUG", "detail")
     results = collectives.launch(levels_in_force, 2, backend="p2p", timeout=3.0, join_timeout=60)
-    assert results == [["DETAIL", "OFF", "CollectiveTimeoutError", "DETAIL", "ValueError"]] * 2
+    # the first rank to time out closes its gloo connection, so its peer may see the closure first
+    kinds = [seen.pop(2) for seen in results]
+    assert "CollectiveTimeoutError" in kinds and set(kinds) <= {"CollectiveTimeoutError", "CollectiveError"}, kinds
+    assert results == [["DETAIL", "OFF", "DETAIL", "ValueError"]] * 2
