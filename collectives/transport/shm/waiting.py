@@ -230,12 +230,12 @@ class Waiter:
         stamp = int(now * 1e6) << CPU_BITS  # µs of the system-wide monotonic clock
         words = self._ctrl
         words[self.rank][CPU] = stamp | (cpu + 1)
-        if peer > self.rank or words[peer][CPU] & CPU_MASK != cpu + 1 or now < self._next_move:
+        if peer > self.rank or now < self._next_move:
             return
-        fresh = stamp - (int(CPU_FRESH * 1e6) << CPU_BITS)
+        theirs, fresh = words[peer][CPU], stamp - (int(CPU_FRESH * 1e6) << CPU_BITS)
+        if theirs & CPU_MASK != cpu + 1 or theirs < fresh:  # elsewhere, or here long ago (now unknown)
+            return
         recent = {w & CPU_MASK for q in self._peers if (w := words[q][CPU]) >= fresh}
-        if cpu + 1 not in recent:  # the peer was here, but long ago: where it is now is unknown
-            return
         mask = os.sched_getaffinity(0)
         free = sorted(mask - {c - 1 for c in recent} - {cpu})
         if not free:
