@@ -249,8 +249,8 @@ def _input(shape: tuple[int, ...], dtype: torch.dtype, seed: int, strided: bool,
     x = _values(shape, dtype, seed)
     if not strided:
         return x
-    wide = torch.full((*shape[:-1], 2 * shape[-1]) if shape else (2,), 7, dtype=dtype)
-    view = wide[..., ::2] if shape else wide[::2].reshape(())
+    wide = torch.full((*shape[:-1], 2 * shape[-1]), 7, dtype=dtype)
+    view = wide[..., ::2]
     view.copy_(x)
     base_out.append(wide)
     return view
