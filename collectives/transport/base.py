@@ -263,9 +263,10 @@ class SharedRegions(abc.ABC):
         """Optional: *symmetric memory*, ``nbytes`` on every rank that every rank can read and write.
 
         Collective: every rank calls it in the same order with the same ``nbytes``. Returns one
-        ``uint8`` tensor per rank (``[q]``: rank ``q``'s memory as mapped here), or None on every
-        rank alike when it cannot (the default). Collectives on tensors that live there skip the
-        copy into the regions (``shm_algorithms.all_reduce_symmetric``).
+        ``uint8`` tensor per rank (``[q]``: rank ``q``'s memory as mapped here, a storage of
+        exactly ``nbytes`` when ``nbytes > 0``), or None on every rank alike when it cannot (the
+        default). Collectives on tensors that live there skip the copy into the regions
+        (``shm_algorithms.all_reduce_symmetric``).
         """
         return None
 

@@ -114,13 +114,16 @@ def misuse(rank: int, world_size: int) -> list[str]:
             outcome.append(f"{case}: no error")
         except CollectiveError as exc:
             outcome.append(f"{case}: {'raised' if 'different collective or size' in str(exc) else exc}")
+        g.close()  # the tensor outlives its group: its mapping stays while the tensor uses it
+        t.fill_(3)
+        outcome.append(str(float(t.sum())))
     return outcome
 
 
 @pytest.mark.timeout(120)
 def test_misuse_raises_on_every_rank():
     expected = ["ValueError", "TypeError", "TypeError", "TypeError", "2.0",
-                "symmetric vs private: raised", "different slices: raised"]  # fmt: skip
+                "symmetric vs private: raised", "3000000.0", "different slices: raised", "3000000.0"]  # fmt: skip
     assert collectives.launch(misuse, 2, backend="shm", timeout=10, join_timeout=90) == [expected] * 2
 
 

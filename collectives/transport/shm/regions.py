@@ -181,7 +181,11 @@ class Regions(SharedRegions):
         for s in socks.values():
             s.close()
         self._segments.adopt(maps)
-        return [torch.frombuffer(m, dtype=torch.uint8)[:nbytes] for m in maps]  # type: ignore[arg-type]
+        # through a memoryview, which holds an export of the mapping: closing the transport then
+        # leaves a mapping that a tensor still uses (torch.frombuffer of the mmap itself holds
+        # none, and the tensor would point at unmapped memory); each is a storage of exactly
+        # nbytes (adoption swaps a tensor's storage with it)
+        return [torch.frombuffer(memoryview(m)[: max(1, nbytes)], dtype=torch.uint8)[:nbytes] for m in maps]
 
     def close(self) -> None:
         """Drop the views of the regions (before the segments are unmapped)."""
