@@ -25,7 +25,7 @@ from typing import ContextManager, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from . import direct, hierarchical, ring, shm_algorithms, tree
+from . import adoption, direct, hierarchical, ring, shm_algorithms, tree
 from .buffers import Workspace
 from .ops import ReduceOp, finish
 from .topology import Layout
@@ -135,6 +135,7 @@ class AlgorithmEngine:
         if host_transport is not None and self._spans_hosts():  # made now, so that transport_op labels it
             self._hierarchy = hierarchical.Hierarchy.of(transport, self.layout, host_transport)
         self._symmetric: list[list[torch.Tensor]] = []  # per allocation: every rank's memory
+        self._adopter = adoption.Adopter()
         self._shared: SharedRegions | None = None  # the transport's regions, once it has them
 
     def transport_op(self, name: str) -> ContextManager[None]:
@@ -184,22 +185,64 @@ class AlgorithmEngine:
         self._symmetric.append(views)
         return views[self.transport.rank].view(dtype)
 
-    def _in_symmetric(self, buf: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
-        """Every rank's copy of ``buf`` and its byte offset, if ``buf`` lies in symmetric memory."""
+    def _where(self, buf: torch.Tensor) -> tuple[int, int] | None:
+        """(allocation index, byte offset) of ``buf`` if it lies in this rank's symmetric memory."""
         if not self._symmetric or not buf.is_contiguous():
             return None
-        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
-        for views in self._symmetric:
-            base = views[self.transport.rank].data_ptr()
-            if base <= ptr and ptr + nbytes <= base + views[0].numel():
-                at = ptr - base
-                return [v[at : at + nbytes].view(buf.dtype) for v in views], at
+        ptr, nbytes, me = buf.data_ptr(), buf.numel() * buf.element_size(), self.transport.rank
+        for i, views in enumerate(self._symmetric):
+            base = views[me].data_ptr()
+            if base <= ptr and ptr + nbytes <= base + views[me].numel():
+                return i, ptr - base
         return None
+
+    def _in_symmetric(self, buf: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
+        """Every rank's copy of ``buf`` and its byte offset, if ``buf`` lies in symmetric memory
+        (every rank's at the same place: ranks that pass other places raise in the algorithm)."""
+        if (where := self._where(buf)) is None:
+            return None
+        i, at = where
+        nbytes = buf.numel() * buf.element_size()
+        return [v[at : at + nbytes].view(buf.dtype) for v in self._symmetric[i]], at
+
+    def _agree_symmetric(self, regions: SharedRegions, buf: torch.Tensor) -> list[torch.Tensor] | None:
+        """With adoption on: every rank's buffer as mapped here if all of them lie in symmetric
+        memory (adopting them now if all are candidates), else None on every rank alike
+        (:mod:`collectives.adoption`). One step: the ranks exchange where their buffers lie."""
+        n, r, nbytes = regions.world_size, regions.rank, buf.numel() * buf.element_size()
+        where = self._where(buf)
+        if where is None:
+            kind = adoption.CANDIDATE if self._adopter.candidate(buf, self.tuning.adopt_bytes) else adoption.PRIVATE
+            where = (kind, 0)
+        cpu = torch.device("cpu")
+        mine = self.workspace.get("adopt-record", adoption.WORDS, torch.int64, cpu)
+        mine.copy_(torch.tensor([*where, nbytes]))
+        records = self.workspace.get("adopt-records", n * adoption.WORDS, torch.int64, cpu)
+        shm_algorithms.all_gather(regions, list(records.split(adoption.WORDS)), mine)
+        table = records.view(n, adoption.WORDS).tolist()
+        if any(row[2] != nbytes for row in table):  # different calls: the two-shot raises
+            return None
+        if all(row[0] == adoption.CANDIDATE for row in table):
+            views = regions.allocate(nbytes)
+            if views is None:  # logged; the same on every rank
+                self._adopter.failed = True
+                return None
+            views[r] = self._adopter.adopt(buf, views[r])
+            self._symmetric.append(views)
+            table = [[len(self._symmetric) - 1, 0, nbytes]] * n
+        if any(row[0] < 0 for row in table):
+            return None
+        return [self._symmetric[i][q][at : at + nbytes].view(buf.dtype) for q, (i, at, _) in enumerate(table)]
 
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto" and (regions := self._regions()) is not None:
             large = buf.numel() * buf.element_size() > shm_algorithms.one_shot_limit(regions.world_size)
-            if large and (found := self._in_symmetric(buf)) is not None:
+            if large and self.tuning.adopt_bytes > 0:
+                if (bufs := self._agree_symmetric(regions, buf)) is not None:
+                    shm_algorithms.all_reduce_symmetric(regions, bufs, op, 0)
+                else:
+                    shm_algorithms.all_reduce(regions, buf, op)
+            elif large and (found := self._in_symmetric(buf)) is not None:
                 shm_algorithms.all_reduce_symmetric(regions, found[0], op, found[1])
             else:
                 shm_algorithms.all_reduce(regions, buf, op)

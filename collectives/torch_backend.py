@@ -15,6 +15,14 @@ every method torch's stack calls to the public collectives API. The transport is
 ``auto`` chooses it (shared memory on one host, the hierarchical algorithms across hosts);
 ``$RINGDDP_BACKEND`` or ``pg_options=Options(backend="p2p")`` picks another of our backends.
 
+Opt-in, on shared memory: ``Options(adopt_bytes=...)`` or ``$RINGDDP_ADOPT_BYTES`` (e.g. ``1G``)
+lets a buffer that is all-reduced again and again (torch DDP's buckets, the same tensors every
+step) be *adopted*: its storage moves, once and in place, into memory every rank maps, so later
+all-reduces read it where it lies instead of copying it in and out (:mod:`collectives.adoption`:
+one pass over the buffer fewer per call). Every tensor and view of that storage follows, but a
+NumPy array, DLPack capsule or raw pointer taken from it before it moved does not: that is why
+it is not the default.
+
 Two threads of torch call in. torch's Python functions (``dist.all_reduce``, ...) call the
 methods by their Python names (``all_gather_single``, ``reduce_scatter_single``,
 ``all_to_all_single``, ...); torch's C++ (DDP's reducer, functional collectives) calls the C++
@@ -44,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 from typing import Any, Sequence
 
 import torch
@@ -52,6 +61,7 @@ import torch.distributed as dist
 from . import api, p2p
 from .group import Group
 from .ops import ReduceOp
+from .sizes import parse_size
 from .work import Work
 
 log = logging.getLogger(__name__)
@@ -67,9 +77,31 @@ class Options:
     Attributes:
         backend: which of our backends runs the collectives (``"auto"``, ``"shm"``, ``"p2p"``,
             or any registered); ``None`` reads ``$RINGDDP_BACKEND``, else ``auto``.
+        adopt_bytes: how many bytes of repeatedly all-reduced buffers a rank may move into
+            symmetric memory (:mod:`collectives.adoption`); ``None`` reads
+            ``$RINGDDP_ADOPT_BYTES`` (``1G``, ``512M``, ...), else 0: off.
     """
 
     backend: str | None = None
+    adopt_bytes: int | None = None
+
+
+def _adopt_bytes(options: Options | None) -> int:
+    """The adoption budget: ``options.adopt_bytes``, else ``$RINGDDP_ADOPT_BYTES``, else 0 (off)."""
+    given = options.adopt_bytes if options is not None else None
+    if given is None:
+        text = os.environ.get("RINGDDP_ADOPT_BYTES")
+        if text is None:
+            return 0
+        try:
+            given = parse_size(text)
+        except (ValueError, IndexError):
+            raise ValueError(f"RINGDDP_ADOPT_BYTES must be a byte count such as 512M or 0, got {text!r}") from None
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise TypeError(f"backend '{NAME}': adopt_bytes must be an int, got {type(given).__name__}")
+    if given < 0:
+        raise ValueError(f"backend '{NAME}': adopt_bytes must be >= 0, got {given}")
+    return given
 
 
 class RingddpWork(dist.Work):
@@ -320,6 +352,7 @@ def create(opts: Any, pg_options: Options | None = None) -> RingddpProcessGroup:
             f"backend '{NAME}': pg_options must be collectives.torch_backend.Options, got {type(pg_options).__name__}"
         )
     backend = pg_options.backend if pg_options is not None else None
+    adopt_bytes = _adopt_bytes(pg_options)
     ranks = list(opts.global_ranks_in_group) or None
     group = Group.from_store(
         opts.store, opts.group_rank, opts.group_size, opts.timeout, backend=backend, ranks=ranks,
@@ -331,6 +364,7 @@ def create(opts: Any, pg_options: Options | None = None) -> RingddpProcessGroup:
             f"backend '{NAME}' with our 'torch' backend would run torch's collectives on a bare gloo wire: "
             "use backend='gloo' in init_process_group instead"
         )
+    group.tuning.adopt_bytes = adopt_bytes
     log.debug("backend %s: %r", NAME, group)
     return RingddpProcessGroup(group)
 

@@ -28,12 +28,17 @@ class Tuning:
             least 64 MiB at 4 ranks. On a real network set it to ``small_bytes``.
         segment_bytes: pipelining segment of the ring and chain algorithms.
         depth: how many segments a ring keeps on the wire ahead of the one being reduced.
+        adopt_bytes: on shared memory, buffers that are all-reduced again and again (torch DDP's
+            buckets) move into symmetric memory in place, up to this many bytes per rank
+            (:mod:`collectives.adoption`); 0 (the default here) turns that off. The ``ringddp``
+            torch backend sets it (``Options.adopt_bytes``).
     """
 
     small_bytes: int = 4 << 20
     chain_bytes: int = 64 << 20
     segment_bytes: int = 4 << 20
     depth: int = 4
+    adopt_bytes: int = 0
 
     def __setattr__(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)

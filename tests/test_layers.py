@@ -46,7 +46,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.transport.shm",),
     # algorithms over a transport, and the user point-to-point protocol
     ("collectives.ring", "collectives.tree", "collectives.direct", "collectives.mailbox"),
-    ("collectives.shm_algorithms",),
+    ("collectives.shm_algorithms", "collectives.adoption"),
     ("collectives.hierarchical",),
     ("collectives.costmodel",),
     ("collectives.engine",),
