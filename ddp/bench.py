@@ -16,6 +16,8 @@ one copy of it per *variant*, each with its own SGD optimizer:
   our collectives run on (torch's defaults: 25 MiB buckets, a 1 MiB first bucket);
 * ``torch DDP ringddp``: the same torch DDP over a torch process group of backend ``"ringddp"``
   (``collectives.torch_backend``): torch's reducer, our collectives underneath;
+* ``torch DDP ringddp adopt``: the same with adoption opted in (``Options(adopt_bytes=1 GiB)``,
+  ``collectives.adoption``): from its second all-reduce each bucket lies in symmetric memory;
 * ``torch FSDP2`` / ``torch FSDP2 ringddp``: torch's ``fully_shard`` on every Linear layer and the
   root, over a mesh of the gloo or of the ringddp process group (``--torch-stacks`` chooses the
   ringddp and FSDP2 rows);
@@ -172,7 +174,9 @@ log = logging.getLogger("ddp.bench")  # not __name__: under "python -m" the rank
 
 PHASES = ("step", "forward", "backward", "optim")
 COMM_HOOKS = ("none", "allreduce", "fp16", "bf16")
-TORCH_STACKS = ("ddp-ringddp", "fsdp2")
+TORCH_STACKS = ("ddp-ringddp", "ddp-ringddp-adopt", "fsdp2")
+#: the adoption budget of the ``torch DDP ringddp adopt`` row.
+ADOPT_BYTES = 1 << 30
 _COMPRESSED = {"fp16": 0.5, "bf16": 0.5}  # payload ratio of the compression hooks (float32 gradients)
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 # bytes a rank sends per byte of the traced payload, on a ring of n ranks (see the docstring)
@@ -469,12 +473,19 @@ def step_passes_ms(passes: dict[str, float], world_size: int) -> dict[str, float
     * ``torch DDP ringddp`` (torch's reducer scales each gradient into a private bucket and copies
       the result back; the two-shot all-reduce copies ``(n-1)/n G`` into the region, reduces
       ``G/n``, copies it back and ``(n-1)/n G`` from the peers):
-      ``scale + copy + (n-1)/n (add + 2 copy) + copy/n``.
+      ``scale + copy + (n-1)/n (add + 2 copy) + copy/n``;
+    * ``torch DDP ringddp adopt`` (the same, its buckets adopted into symmetric memory,
+      ``collectives.adoption``: each rank reduces its ``G/n`` where the buckets lie and copies
+      ``(n-1)/n G`` from the peers): ``scale + copy + (n-1)/n (add + copy)``.
     """
     n = world_size
     copy, scale, add = passes["copy_ms"], passes["scale_ms"], passes["add_ms"]
     share = (n - 1) / n
-    return {"ours": copy + share * (add + copy) + scale / n, "torch DDP ringddp": scale + copy + share * (add + 2 * copy) + copy / n}
+    return {
+        "ours": copy + share * (add + copy) + scale / n,
+        "torch DDP ringddp": scale + copy + share * (add + 2 * copy) + copy / n,
+        "torch DDP ringddp adopt": scale + copy + share * (add + copy),
+    }
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -507,20 +518,25 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
 
     # Construction order is the same on every rank (each wrapper talks to its peers).
     ringddp = torch.distributed.new_group(backend="ringddp", pg_options=torch_backend.Options(backend=cfg.backend))
-    torch_groups = {"torch": group.process_group}
+    torch_groups = {"torch": ("torch DDP", group.process_group)}  # key: (label, process group)
     if "ddp-ringddp" in cfg.torch_stacks:
-        torch_groups["ringddp"] = ringddp
+        torch_groups["ringddp"] = ("torch DDP ringddp", ringddp)
+    adopting = None
+    if "ddp-ringddp-adopt" in cfg.torch_stacks:
+        options = torch_backend.Options(backend=cfg.backend, adopt_bytes=ADOPT_BYTES)
+        adopting = torch.distributed.new_group(backend="ringddp", pg_options=options)
+        torch_groups["ringddp-adopt"] = ("torch DDP ringddp adopt", adopting)
     variants = []
     for hook in cfg.comm_hooks:
         suffix = "" if hook == "none" else f" {hook}"
-        for kind, pg in torch_groups.items():
+        for key, (label, pg) in torch_groups.items():
             model = torch.nn.parallel.DistributedDataParallel(
                 copy.deepcopy(base), process_group=pg, gradient_as_bucket_view=cfg.grad_view
             )
             if hook != "none":
                 model.register_comm_hook(pg, _hooks(hook)[1])
-            label = "torch DDP" + (" ringddp" if kind == "ringddp" else "") + suffix
-            variants.append(_Variant(f"{kind}:{hook}", label, kind, model, plain(model), hook=hook))
+            kind = "torch" if key == "torch" else "ringddp"
+            variants.append(_Variant(f"{key}:{hook}", label + suffix, kind, model, plain(model), hook=hook))
     variants += _torch_zero_variants(cfg, base, group.process_group, ringddp, optimizer_class)
     for mb in cfg.bucket_mb:
         for hook in cfg.comm_hooks:
@@ -572,7 +588,9 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         "ringddp": lambda t: torch.distributed.all_reduce(t, group=ringddp, async_op=True),
         "ours": lambda t: collectives.all_reduce(t, async_op=True),
     })
-    torch.distributed.destroy_process_group(ringddp)
+    for pg in (ringddp, adopting):
+        if pg is not None:
+            torch.distributed.destroy_process_group(pg)
     passes = _gradient_passes_ms(n_params)
     return {"rank": rank, "threads": threads, "params": n_params, "variants": reports, "async_return": enqueue, "passes": passes}
 
@@ -847,7 +865,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--comm-hook", type=_parse_hooks, default=("none",), help=f"comma list of comm hooks to compare, from {', '.join(COMM_HOOKS)} (default none)")
     p.add_argument("--torch-stacks", type=_parse_stacks, default=TORCH_STACKS,
                    help="torch rows besides torch DDP on gloo: comma list of ddp-ringddp (torch DDP on backend "
-                        "'ringddp'), fsdp2 (FSDP2 on gloo and on ringddp), or none (default both)")
+                        "'ringddp'), ddp-ringddp-adopt (the same with adoption opted in), fsdp2 (FSDP2 on gloo "
+                        "and on ringddp), or none (default all)")
     p.add_argument("--first-bucket-mb", type=float, default=None, help="cap of our first bucket (default: the bucket cap; torch uses 1)")
     p.add_argument("--zero", type=_parse_stages, default=(), help="comma list of ZeRO stages (1, 2, 3) to add, ours and torch's")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer of every variant (default sgd)")

@@ -23,15 +23,16 @@ def test_bench_smoke(tmp_path, capsys):
 
     summary = json.loads(out.read_text())
     rows = {r["name"]: r for r in summary["rows"]}
-    assert set(rows) == {"torch DDP", "torch DDP ringddp", "torch FSDP2", "torch FSDP2 ringddp", "ours 25 MB", "ours 0 MB",
-                         "local (no comm)"}
+    assert set(rows) == {"torch DDP", "torch DDP ringddp", "torch DDP ringddp adopt", "torch FSDP2", "torch FSDP2 ringddp",
+                         "ours 25 MB", "ours 0 MB", "local (no comm)"}
     assert summary["params"] == 2 * (64 * 64 + 64)
     for row in rows.values():
         assert row["steps"] == 4  # 2 timed rounds x 2 steps
         for key in ("step_ms", "forward_ms", "backward_ms", "optim_ms", "speed_vs_torch"):
             assert math.isfinite(row[key]) and row[key] > 0, (row["name"], key, row[key])
         assert row["step_min_ms"] <= row["step_ms"] <= row["step_max_ms"]
-    for name in ("torch DDP", "torch DDP ringddp", "torch FSDP2", "torch FSDP2 ringddp", "ours 25 MB", "ours 0 MB"):
+    for name in ("torch DDP", "torch DDP ringddp", "torch DDP ringddp adopt", "torch FSDP2", "torch FSDP2 ringddp",
+                 "ours 25 MB", "ours 0 MB"):
         assert rows[name]["in_sync"], name
     assert rows["torch DDP"]["speed_vs_torch"] == pytest.approx(1.0)
     assert rows["torch FSDP2"]["speed_vs_torch"] == pytest.approx(1.0)  # the FSDP2 rows compare with each other
@@ -45,7 +46,7 @@ def test_bench_smoke(tmp_path, capsys):
     passes, per_step = summary["passes_ms"], summary["step_passes_ms"]
     assert set(passes) == {f"{k}_ms" for k in bench.GRADIENT_PASSES} and all(0 < v < 1e4 for v in passes.values())
     assert per_step == pytest.approx(bench.step_passes_ms(passes, 2))
-    assert 0 < per_step["ours"] < per_step["torch DDP ringddp"]
+    assert 0 < per_step["ours"] < per_step["torch DDP ringddp"] and per_step["torch DDP ringddp adopt"] < per_step["torch DDP ringddp"]
     assert rows["torch DDP"]["comm_vs_torch"] in (None, pytest.approx(1.0))  # None: torch no slower than local
     assert rows["local (no comm)"]["comm_ms"] is None
     for name in ("torch DDP", "ours 25 MB"):
@@ -71,8 +72,11 @@ def test_step_passes_count_what_each_row_moves():
     passes = {"copy_ms": 2.0, "scale_ms": 3.0, "add_ms": 4.0}
     # 2 ranks: ours copies the fresh gradients in, adds and copies half, divides half; torch's
     # reducer scales in and copies out all of it, and the two-shot copies half in, adds half,
-    # copies it back and half out.
-    assert bench.step_passes_ms(passes, 2) == {"ours": 2 + 0.5 * (4 + 2) + 3 / 2, "torch DDP ringddp": 3 + 2 + 0.5 * (4 + 4) + 2 / 2}
+    # copies it back and half out; adopted, its buckets are read in place (add and copy half).
+    assert bench.step_passes_ms(passes, 2) == {
+        "ours": 2 + 0.5 * (4 + 2) + 3 / 2, "torch DDP ringddp": 3 + 2 + 0.5 * (4 + 4) + 2 / 2,
+        "torch DDP ringddp adopt": 3 + 2 + 0.5 * (4 + 2),
+    }  # fmt: skip
     assert bench.step_passes_ms(passes, 4)["ours"] == pytest.approx(2 + 0.75 * 6 + 0.75)
 
 
@@ -100,17 +104,18 @@ def test_bench_comm_hooks_halve_the_bytes(tmp_path):
     out = tmp_path / "hooks.json"
     argv = [
         "--world-size", "2", "--width", "64", "--layers", "2", "--batch", "8", "--comm-hook", "none,fp16,bf16",
-        "--torch-stacks", "ddp-ringddp",
+        "--torch-stacks", "ddp-ringddp,ddp-ringddp-adopt",
         "--warmup", "0", "--rounds", "1", "--steps", "1", "--timeout", "60", "--quiet", "--json", str(out),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     grad_mib = 2 * (64 * 64 + 64) * 4 / 2**20
     # ours measured (traced step), torch computed: one float32 all-reduce of every gradient, or half
-    for name in ("ours 25 MB", "torch DDP", "torch DDP ringddp"):
+    for name in ("ours 25 MB", "torch DDP", "torch DDP ringddp", "torch DDP ringddp adopt"):
         assert rows[name]["comm_mib"] == pytest.approx(grad_mib)
+        assert rows[name]["in_sync"], name
     for hook in ("fp16", "bf16"):
-        for name in (f"ours 25 MB {hook}", f"torch DDP {hook}", f"torch DDP ringddp {hook}"):
+        for name in (f"ours 25 MB {hook}", f"torch DDP {hook}", f"torch DDP ringddp {hook}", f"torch DDP ringddp adopt {hook}"):
             assert rows[name]["comm_mib"] == pytest.approx(grad_mib / 2), name
             assert rows[name]["in_sync"], name
         assert rows[f"torch DDP {hook}"]["speed_vs_torch"] == pytest.approx(1.0)
