@@ -398,7 +398,9 @@ Linear(2048), 16.8 M parameters, batch 64 per rank, 2 ranks) with torch's
   autograd's fresh gradients into its buckets and reads the peers' buckets in place (`copy +
   (n-1)/n (add + copy) + scale/n`), torch's reducer copies every gradient into a private bucket
   and back and our all-reduce then copies through the regions (`scale + copy + (n-1)/n (add + 2
-  copy) + copy/n`). With a core per rank these passes take the core from backward, so they
+  copy) + copy/n`), or, with adoption opted in (row `torch DDP ringddp adopt`,
+  `RINGDDP_ADOPT_BYTES`), reads the adopted buckets in place (`scale + copy + (n-1)/n (add +
+  copy)`). With a core per rank these passes take the core from backward, so they
   estimate the least `comm` can be (`ddp/bench.py`, `step_passes_ms`); roughly: the local row
   keeps every fresh gradient until `zero_grad`, so it gets new pages every step, while a DDP
   frees each once it is in a bucket, which can bring a DDP row below the estimate.
@@ -508,6 +510,8 @@ def render_summary(data: dict[str, dict[str, Any]]) -> str:
     for hook, label in (("", "DDP, no comm hook"), (" fp16", "DDP, fp16 compression hook")):
         lines.append(f"| {label} | {cell('torch DDP' + hook)} | {cell('torch DDP ringddp' + hook)} | "
                      f"{cell('ours 25 MB' + hook, 25.0)} |")
+    if ("torch DDP ringddp adopt", None) in rows:
+        lines.append(f"| DDP, buckets adopted (opt-in, `RINGDDP_ADOPT_BYTES`) | — | {cell('torch DDP ringddp adopt')} | — |")
     lines.append(f"| FSDP2 (`fully_shard` per layer) | {cell('torch FSDP2')} | {cell('torch FSDP2 ringddp')} | — |")
     async_us = summary.get("async_return_us")
     if async_us:
