@@ -81,7 +81,7 @@ SUITES: tuple[Suite, ...] = (
     Suite("check-cost-4K", "collectives.bench", _WIRE_CHECK + ("--min-bytes", "4K", "--max-bytes", "4K", "--iters", "300")),
     Suite("check-cost-64M", "collectives.bench", _WIRE_CHECK + ("--min-bytes", "64M", "--max-bytes", "64M", "--iters", "20")),
     Suite("ddp", "ddp.bench", ("--bucket-mb", "25,inf", "--comm-hook", "none,fp16", "--rounds", "20")),
-    Suite("ddp-mlp", "ddp.bench", ("--width", "1024", "--layers", "11", "--torch-stacks", "ddp-ringddp", "--rounds", "20")),
+    Suite("ddp-mlp", "ddp.bench", ("--width", "1024", "--layers", "11", "--torch-stacks", "ddp-ringddp,ddp-ringddp-adopt", "--rounds", "20")),
     Suite("ddp-p2p", "ddp.bench", ("--backend", "p2p", "--bucket-mb", "25,inf")),
     Suite("zero", "ddp.bench", ("--zero", "1,2,3", "--optimizer", "adam", "--torch-stacks", "fsdp2", "--rounds", "10")),
 )  # fmt: skip
