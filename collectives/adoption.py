@@ -45,7 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger(__name__)
 
-#: records of :func:`record`: where a rank's buffer lies, or what it can do.
+#: a record's kind when the buffer is not in symmetric memory (else it is the allocation's index).
 PRIVATE, CANDIDATE = -1, -2
 #: int64 words per rank in the exchange: kind (an allocation index, PRIVATE or CANDIDATE),
 #: byte offset in that allocation, byte count (ranks that disagree run the two-shot, which raises).
