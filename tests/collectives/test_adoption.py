@@ -18,8 +18,10 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
+import collectives
 from collectives import CollectiveError
 from collectives.torch_backend import Options
+from tests.leaks import PrivateTmpfs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shared memory")
 
@@ -196,3 +198,29 @@ def test_reused_buffers_are_adopted_and_results_match_gloo(pools, world_size):
         assert out["ddp"][1] and out["ddp"][0] <= (0.0 if world_size == 2 else 1e-6), (rank, out["ddp"])
         assert "all_reduce" in out["mismatch"], (rank, out["mismatch"])
         assert out["after destroy"] == rank * N, rank
+
+
+def adoption_in_a_small_tmpfs(rank: int, world_size: int) -> list[tuple[bool, bool]]:
+    """Adoption on for our world group (``tuning.adopt_bytes``), a 12 MiB tensor reduced 4 times."""
+    group = collectives.get_group()
+    group.tuning.adopt_bytes = 1 << 30
+    t = torch.empty(3 << 20)
+    out = []
+    for i in range(4):
+        t.fill_(rank + i)
+        collectives.all_reduce(t)
+        out.append((bool((t == 2 * i + 1).all()), _shared(t)))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size, adopted", [("30m", False), ("80m", True)])
+def test_adoption_needs_room_in_the_file_system(monkeypatch, size, adopted):
+    """2 transport segments (10 MiB each) fit a 30 MiB tmpfs, a 12 MiB adoption per rank does not:
+    both ranks keep their tensors private, and the results are right; in 80 MiB the tensor moves
+    on its second call. Nothing is left behind either way."""
+    with PrivateTmpfs(size) as fs:
+        monkeypatch.setenv("RINGDDP_SHM_DIR", fs.path)
+        out = collectives.launch(adoption_in_a_small_tmpfs, 2, backend="shm", timeout=20, join_timeout=90)
+        assert out == [[(True, False)] + [(True, adopted)] * 3] * 2
+        assert fs.wait_until_empty() == 0
