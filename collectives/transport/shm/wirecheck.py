@@ -126,6 +126,11 @@ class WireCheck:
         abandoned the call because it found one."""
         self.check(self._peers)
         abandoned = [q for q in range(self.world_size) if q != self.rank and self._ctrl[q][ABANDONED]]
+        if abandoned:
+            # a peer that abandoned may have compared a header published after our check above
+            # (one rank differs: its neighbour saw it first): name that rank and both calls
+            fence()
+            self.check(self._peers)
         if abandoned and self.tag_base and self._header_of(abandoned[0]) is not None:
             raise self.error(abandoned[0])
         if abandoned:
