@@ -124,13 +124,11 @@ class WireCheck:
     def check_peers(self) -> None:
         """After a wake-up (:class:`.waiting.Waiter`): raise if a peer runs a different call, or
         abandoned the call because it found one."""
-        self.check(self._peers)
+        # the abandoned words first: a peer that abandoned compared a header that, after the
+        # fence, this check sees too, so the rank that differs is named with both calls
         abandoned = [q for q in range(self.world_size) if q != self.rank and self._ctrl[q][ABANDONED]]
-        if abandoned:
-            # a peer that abandoned may have compared a header published after our check above
-            # (one rank differs: its neighbour saw it first): name that rank and both calls
-            fence()
-            self.check(self._peers)
+        fence()
+        self.check(self._peers)
         if abandoned and self.tag_base and self._header_of(abandoned[0]) is not None:
             raise self.error(abandoned[0])
         if abandoned:
