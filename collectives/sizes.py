@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 _UNITS = (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10))
 
 
@@ -18,3 +20,15 @@ def human_size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:g}{unit}"
     return f"{nbytes}B"
+
+
+def env_size(name: str, default: int) -> int:
+    """``$name`` as a byte count (``8388608``, ``8M``, ``512K``); ``default`` when unset or empty.
+    A bad value raises a ValueError naming the variable and what it takes."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        return parse_size(text)
+    except (ValueError, KeyError, IndexError):
+        raise ValueError(f"{name}={text!r}: expected a byte count such as 8388608, 8M or 512K") from None

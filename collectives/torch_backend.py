@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
 from typing import Any, Sequence
 
 import torch
@@ -61,7 +60,7 @@ import torch.distributed as dist
 from . import api, p2p
 from .group import Group
 from .ops import ReduceOp
-from .sizes import parse_size
+from .sizes import env_size
 from .work import Work
 
 log = logging.getLogger(__name__)
@@ -90,13 +89,7 @@ def _adopt_bytes(options: Options | None) -> int:
     """The adoption budget: ``options.adopt_bytes``, else ``$RINGDDP_ADOPT_BYTES``, else 0 (off)."""
     given = options.adopt_bytes if options is not None else None
     if given is None:
-        text = os.environ.get("RINGDDP_ADOPT_BYTES")
-        if text is None:
-            return 0
-        try:
-            given = parse_size(text)
-        except (ValueError, IndexError):
-            raise ValueError(f"RINGDDP_ADOPT_BYTES must be a byte count such as 512M or 0, got {text!r}") from None
+        given = env_size("RINGDDP_ADOPT_BYTES", 0)
     if isinstance(given, bool) or not isinstance(given, int):
         raise TypeError(f"backend '{NAME}': adopt_bytes must be an int, got {type(given).__name__}")
     if given < 0:

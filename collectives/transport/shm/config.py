@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import Callable, TypeVar
 
-from ...sizes import parse_size
+from ...sizes import env_size
 from .control import MAX_SLOTS, PAGE, PAIR
 
 T = TypeVar("T")
@@ -22,21 +22,18 @@ class ShmUnavailableError(RuntimeError):
 
 def _env(name: str, parse: Callable[[str], T], expected: str, default: T) -> T:
     """``$name`` read by ``parse`` (``default`` when unset or empty); a bad value raises a
-    ValueError naming the variable and what it takes."""
+    ValueError naming the variable and what it takes (byte counts: :func:`~collectives.sizes.env_size`)."""
     text = os.environ.get(name)
     if not text:
         return default
     try:
         return parse(text)
-    except (ValueError, KeyError, IndexError):
+    except ValueError:
         raise ValueError(f"{name}={text!r}: expected {expected}") from None
 
 
 def _microseconds(text: str) -> float:
     return float(text) / 1e6
-
-
-_BYTES = "a byte count such as 8388608, 8M or 512K"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +62,9 @@ class ShmConfig:
     def from_env(cls) -> "ShmConfig":
         return cls(
             directory=os.environ.get("RINGDDP_SHM_DIR", cls.directory),
-            slot_bytes=_env("RINGDDP_SHM_SLOT_BYTES", parse_size, _BYTES, cls.slot_bytes),
+            slot_bytes=env_size("RINGDDP_SHM_SLOT_BYTES", cls.slot_bytes),
             slots=_env("RINGDDP_SHM_SLOTS", int, f"an integer from 1 to {MAX_SLOTS}", cls.slots),
-            region_bytes=_env("RINGDDP_SHM_REGION_BYTES", parse_size, _BYTES, cls.region_bytes),
+            region_bytes=env_size("RINGDDP_SHM_REGION_BYTES", cls.region_bytes),
             spin_seconds=_env("RINGDDP_SHM_SPIN_US", _microseconds, "microseconds, such as 50", cls.spin_seconds),
             cma=os.environ.get("RINGDDP_SHM_CMA", "1") != "0",
         )
