@@ -224,3 +224,18 @@ def test_adoption_needs_room_in_the_file_system(monkeypatch, size, adopted):
         out = collectives.launch(adoption_in_a_small_tmpfs, 2, backend="shm", timeout=20, join_timeout=90)
         assert out == [[(True, False)] + [(True, adopted)] * 3] * 2
         assert fs.wait_until_empty() == 0
+
+
+def test_the_budget_comes_from_options_or_the_environment(monkeypatch):
+    from collectives.torch_backend import _adopt_bytes
+
+    assert _adopt_bytes(None) == 0 and _adopt_bytes(Options()) == 0  # off unless asked
+    monkeypatch.setenv("RINGDDP_ADOPT_BYTES", "512M")
+    assert _adopt_bytes(None) == 512 << 20 and _adopt_bytes(Options(adopt_bytes=7)) == 7
+    monkeypatch.setenv("RINGDDP_ADOPT_BYTES", "lots")
+    with pytest.raises(ValueError, match="RINGDDP_ADOPT_BYTES='lots': expected a byte count"):
+        _adopt_bytes(None)
+    with pytest.raises(ValueError, match=">= 0"):
+        _adopt_bytes(Options(adopt_bytes=-1))
+    with pytest.raises(TypeError, match="an int"):
+        _adopt_bytes(Options(adopt_bytes=True))
