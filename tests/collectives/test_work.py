@@ -218,33 +218,38 @@ def test_a_waiting_communication_thread_leaves_the_gil():
     assert counted > 10_000, counted  # a GIL-holding waiter would leave it at 0 until the peer came
 
 
-def _priorities(rank: int, world_size: int) -> tuple[int, int, int]:
-    """(this thread's nice, the world group's communication thread's, a group made with
-    RINGDDP_COMM_NICE=0's), read with getpriority on each thread's id."""
+def _priorities(rank: int, world_size: int) -> tuple[tuple[int, int], ...]:
+    """(nice, scheduling policy) of this thread, of the world group's communication thread and of
+    a group made with RINGDDP_COMM_NICE=0's, read on each thread's id."""
     import os
     import threading
 
     import collectives as c
 
-    def comm_thread_nice(group_name: str) -> int:
+    def of(native_id: int) -> tuple[int, int]:
+        return os.getpriority(os.PRIO_PROCESS, native_id), os.sched_getscheduler(native_id)
+
+    def comm_thread(group_name: str) -> tuple[int, int]:
         (thread,) = [t for t in threading.enumerate() if t.name == f"ringddp-{group_name}"]
-        return os.getpriority(os.PRIO_PROCESS, thread.native_id)
+        return of(thread.native_id)
 
     c.all_reduce(torch.ones(4), async_op=True).wait()  # starts the world's thread
     os.environ["RINGDDP_COMM_NICE"] = "0"
     group = c.new_group([0, 1])
     c.all_reduce(torch.ones(4), group=group, async_op=True).wait()
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    return mine, comm_thread_nice(c.get_default_group().name), comm_thread_nice(group.name)
+    return of(threading.get_native_id()), comm_thread(c.get_default_group().name), comm_thread(group.name)
 
 
 @pytest.mark.timeout(60)
 def test_the_communication_thread_yields_the_core_to_the_caller(monkeypatch):
-    """It runs COMM_NICE steps below its process (never above 19), or as set by RINGDDP_COMM_NICE."""
+    """It runs COMM_NICE steps below its process (never above 19) as SCHED_BATCH (a woken thread
+    does not preempt the caller), or as set by RINGDDP_COMM_NICE (0: the process's priority and policy)."""
+    import os
+
     from collectives import work
 
     for mine, world_thread, plain_thread in collectives.launch(_priorities, 2, backend="shm", timeout=20, join_timeout=50):
-        assert world_thread == min(19, mine + work.COMM_NICE), (mine, world_thread)
+        assert world_thread == (min(19, mine[0] + work.COMM_NICE), os.SCHED_BATCH), (mine, world_thread)
         assert plain_thread == mine
     for bad in ("-1", "20", "low"):
         monkeypatch.setenv("RINGDDP_COMM_NICE", bad)
