@@ -85,12 +85,14 @@ def _lower_priority(steps: int) -> None:
     if steps == 0 or not hasattr(os, "setpriority"):
         return
     tid = threading.get_native_id()
-    try:
-        if hasattr(os, "SCHED_BATCH"):
-            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
-    except OSError as exc:  # lowering one's own priority is always allowed; a sandbox may still refuse
-        log.debug("communication thread keeps its priority: %s", exc)
+    changes = [lambda: os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))]
+    if hasattr(os, "SCHED_BATCH"):
+        changes.append(lambda: os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0)))
+    for change in changes:
+        try:
+            change()
+        except OSError as exc:  # lowering one's own priority is always allowed; a sandbox may still refuse
+            log.debug("communication thread keeps its priority or policy: %s", exc)
 
 
 def _thread_name(ident: int) -> str:
