@@ -16,15 +16,16 @@ from a second thread while another thread's calls are still queued or running. U
 thread (``new_group``), or hand the calls to one thread.
 
 The communication thread runs at a lower scheduling priority than the process (``nice`` + 5 by
-default, ``$RINGDDP_COMM_NICE`` to change, 0 to keep the process's), as ``SCHED_BATCH``: when it
-and the caller's compute want the same core, the compute goes first, and waking it (queueing a
-call) does not preempt the caller. Its work still runs whenever the compute blocks or leaves a
-core idle; what changes is who waits when both are runnable. Without it, a caller that released
-the GIL for a moment (torch's own ``dist.all_reduce`` does, inside ``tensor.is_complex()``, and
-so does making a ``dist.Work``) while the thread was busy, or had just been woken onto its core,
-sometimes waited out one of the thread's torch ops (measured in ``ddp.bench``: returning from an
-async 4 KiB all-reduce behind a 16 MiB one took 18-48 µs or 170-190 µs, run to run; niced, 17-28
-µs in every run, steps unchanged; with nothing in flight, niced only, 27-54 µs medians; also
+default, ``$RINGDDP_COMM_NICE`` to change, 0 to keep the process's), as ``SCHED_BATCH`` (from
+the normal policy only; a real-time or idle one is kept): when it and the caller's compute want
+the same core, the compute goes first, and waking it (queueing a call) does not preempt the
+caller. Its work still runs whenever the compute blocks or leaves a core idle; what changes is
+who waits when both are runnable. Without it, a caller that released the GIL for a moment
+(torch's own ``dist.all_reduce`` does, inside ``tensor.is_complex()``, and so does making a
+``dist.Work``) while the thread was busy, or had just been woken onto its core, sometimes waited
+out one of the thread's torch ops (measured in ``ddp.bench``: returning from an async 4 KiB
+all-reduce behind a 16 MiB one took 18-48 µs or 170-190 µs, run to run; niced, 17-28 µs in
+every run, steps unchanged; with nothing in flight, niced only, 27-54 µs medians; also
 ``SCHED_BATCH``, 18-33 µs, steps unchanged: docs/DESIGN.md).
 
 Future callbacks may issue collectives, and wait for them. ``Work.get_future()`` callbacks run on
@@ -79,14 +80,16 @@ def comm_nice() -> int:
 
 
 def _lower_priority(steps: int) -> None:
-    """Raise this thread's nice value by ``steps`` (Linux: per thread; never above 19) and make it
-    ``SCHED_BATCH``: when woken, it waits for a free core or the scheduler's tick instead of
-    preempting the thread on its core (see the module docstring)."""
+    """Raise this thread's nice value by ``steps`` (Linux: per thread; never above 19) and, if it
+    runs under the normal policy, make it ``SCHED_BATCH``: when woken, it waits for a free core
+    or the scheduler's tick instead of preempting the thread on its core (see the module
+    docstring). Other policies are kept: a real-time process's thread would otherwise drop below
+    its compute, a ``SCHED_IDLE`` one rise above it."""
     if steps == 0 or not hasattr(os, "setpriority"):
         return
     tid = threading.get_native_id()
     changes = [lambda: os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))]
-    if hasattr(os, "SCHED_BATCH"):
+    if hasattr(os, "SCHED_BATCH") and os.sched_getscheduler(tid) == os.SCHED_OTHER:
         changes.append(lambda: os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0)))
     for change in changes:
         try:

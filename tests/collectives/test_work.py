@@ -219,8 +219,9 @@ def test_a_waiting_communication_thread_leaves_the_gil():
 
 
 def _priorities(rank: int, world_size: int) -> tuple[tuple[int, int], ...]:
-    """(nice, scheduling policy) of this thread, of the world group's communication thread and of
-    a group made with RINGDDP_COMM_NICE=0's, read on each thread's id."""
+    """(nice, scheduling policy) of this thread, of the world group's communication thread, of a
+    group made with RINGDDP_COMM_NICE=0's, and of a group's whose thread was started by a
+    SCHED_IDLE thread, read on each thread's id."""
     import os
     import threading
 
@@ -229,28 +230,38 @@ def _priorities(rank: int, world_size: int) -> tuple[tuple[int, int], ...]:
     def of(native_id: int) -> tuple[int, int]:
         return os.getpriority(os.PRIO_PROCESS, native_id), os.sched_getscheduler(native_id)
 
-    def comm_thread(group_name: str) -> tuple[int, int]:
-        (thread,) = [t for t in threading.enumerate() if t.name == f"ringddp-{group_name}"]
+    def comm_thread(group: c.Group | None = None) -> tuple[int, int]:
+        """Start ``group``'s communication thread (an async call) and read it."""
+        before = set(threading.enumerate())
+        c.all_reduce(torch.ones(4), group=group, async_op=True).wait()
+        (thread,) = set(threading.enumerate()) - before
         return of(thread.native_id)
 
-    c.all_reduce(torch.ones(4), async_op=True).wait()  # starts the world's thread
+    mine = of(threading.get_native_id())
+    world = comm_thread()
     os.environ["RINGDDP_COMM_NICE"] = "0"
-    group = c.new_group([0, 1])
-    c.all_reduce(torch.ones(4), group=group, async_op=True).wait()
-    return of(threading.get_native_id()), comm_thread(c.get_default_group().name), comm_thread(group.name)
+    plain = comm_thread(c.new_group([0, 1]))
+    del os.environ["RINGDDP_COMM_NICE"]
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread; the next comm thread inherits it
+    return mine, world, plain, comm_thread(c.new_group([0, 1]))
 
 
 @pytest.mark.timeout(60)
 def test_the_communication_thread_yields_the_core_to_the_caller(monkeypatch):
     """It runs COMM_NICE steps below its process (never above 19) as SCHED_BATCH (a woken thread
-    does not preempt the caller), or as set by RINGDDP_COMM_NICE (0: the process's priority and policy)."""
+    does not preempt the caller), or as set by RINGDDP_COMM_NICE (0: the process's priority and
+    policy); a thread started under another policy than the normal one keeps it (SCHED_IDLE here)."""
     import os
 
     from collectives import work
 
-    for mine, world_thread, plain_thread in collectives.launch(_priorities, 2, backend="shm", timeout=20, join_timeout=50):
+    for mine, world_thread, plain_thread, idle_thread in collectives.launch(
+        _priorities, 2, backend="shm", timeout=20, join_timeout=50
+    ):
+        assert mine[1] == os.SCHED_OTHER, mine
         assert world_thread == (min(19, mine[0] + work.COMM_NICE), os.SCHED_BATCH), (mine, world_thread)
         assert plain_thread == mine
+        assert idle_thread == (min(19, mine[0] + work.COMM_NICE), os.SCHED_IDLE), (mine, idle_thread)
     for bad in ("-1", "20", "low"):
         monkeypatch.setenv("RINGDDP_COMM_NICE", bad)
         with pytest.raises(ValueError, match="RINGDDP_COMM_NICE must be an integer from 0 to 19"):
