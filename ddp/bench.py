@@ -27,7 +27,10 @@ one copy of it per *variant*, each with its own SGD optimizer:
 
 After the steps, each rank also times *returning* from an async 4 KiB all-reduce (``async
 return``: what a DDP pays to launch a bucket) through ``torch.distributed`` on the gloo and the
-ringddp groups, and through our API (``ours``: ``collectives.all_reduce`` on our world group);
+ringddp groups; on the same groups as torch's DDP calls it (``gloo C++``, ``ringddp C++``: the
+process group's C++ ``allreduce``, which torch's reducer calls from C++ and which reaches a
+Python process group's method through torch's trampoline, without ``dist.all_reduce``'s Python
+wrapper); and through our API (``ours``: ``collectives.all_reduce`` on our world group);
 medians of 100 per case: ``idle`` (nothing in flight, after another 4 KiB call), ``cold``
 (nothing in flight, right after a 16 MiB all-reduce: its traffic has evicted the caller's code
 and data from the caches, as backward's does in training) and ``busy`` (a 16 MiB all-reduce
@@ -583,9 +586,12 @@ def bench_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         if sizes is not None:
             log.info("torch DDP: %d buckets of %s MiB (after its rebuild)", len(sizes), ", ".join(f"{b / 2**20:.1f}" for b in sizes))
     reports = [v.report() for v in variants]
+    reducer_opts = torch.distributed.AllreduceOptions()  # SUM, async: what torch's reducer passes
     enqueue = _async_return_us({
         "gloo": lambda t: torch.distributed.all_reduce(t, group=group.process_group, async_op=True),
         "ringddp": lambda t: torch.distributed.all_reduce(t, group=ringddp, async_op=True),
+        "gloo C++": lambda t: torch.distributed.ProcessGroup.allreduce(group.process_group, [t], reducer_opts),
+        "ringddp C++": lambda t: torch.distributed.ProcessGroup.allreduce(ringddp, [t], reducer_opts),
         "ours": lambda t: collectives.all_reduce(t, async_op=True),
     })
     for pg in (ringddp, adopting):

@@ -389,9 +389,11 @@ Linear(2048), 16.8 M parameters, batch 64 per rank, 2 ranks) with torch's
   shows the ceiling); `comm`: step minus the local step; `comm/torch`: that over torch DDP's;
 - `sync`: `ok` when every rank ended with bitwise identical parameters;
 - the line under the table: µs to *return* from an async 4 KiB all-reduce (what a DDP pays to
-  launch a bucket) through `torch.distributed` on gloo and on ringddp, and through
-  `collectives.all_reduce` (`ours`): `idle` (nothing in flight), `cold` (right after a 16 MiB
-  all-reduce, whose traffic emptied the caches) and `busy` (a 16 MiB all-reduce in flight);
+  launch a bucket) through `torch.distributed` on gloo and on ringddp, through the same groups'
+  C++ `allreduce` as torch's DDP calls it (`gloo C++`, `ringddp C++`: no `dist.all_reduce`
+  Python wrapper), and through `collectives.all_reduce` (`ours`): `idle` (nothing in flight),
+  `cold` (right after a 16 MiB all-reduce, whose traffic emptied the caches) and `busy` (a 16
+  MiB all-reduce in flight);
 - the last line: ms of one pass over the step's gradients (`copy`, `scale`: a copy that
   multiplies, as torch's reducer fills its buckets, `add`: two reads and a write), every rank at
   once, and what the passes of each row's reduction add up to on shared memory: ours copies
@@ -523,6 +525,9 @@ def render_summary(data: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| returning from an async 4 KiB all_reduce ({' / '.join(cases)}; last column: "
                      f"`collectives.all_reduce`) | {returns('gloo')} | "
                      f"{returns('ringddp')} | {returns('ours')} |")
+        if "ringddp C++" in async_us:
+            lines.append(f"| the same called from C++, as torch's DDP calls it | {returns('gloo C++')} | "
+                         f"{returns('ringddp C++')} | — |")
     m = loop["machine"]
     lines += ["", f"Time per call (all_reduce: `--timing loop`, nccl-tests style) or per training step (DDP: "
                   f"median of the slowest rank) on {m['cpu']} ({m['cores']} cores), torch {m['torch']}. all_reduce: "

@@ -40,7 +40,7 @@ def test_bench_smoke(tmp_path, capsys):
         rows["torch FSDP2"]["step_ms"] / rows["torch FSDP2 ringddp"]["step_ms"])
     # torch's DDP over ringddp hands our collectives every gradient once (measured by tracing)
     assert rows["torch DDP ringddp"]["comm_mib"] == pytest.approx(rows["torch DDP"]["comm_mib"])
-    for name in ("gloo", "ringddp", "ours"):
+    for name in ("gloo", "ringddp", "gloo C++", "ringddp C++", "ours"):
         for case in bench.ASYNC_CASES:
             assert 0 < summary["async_return_us"][name][f"{case}_us"] < 1e6, (name, case)
     passes, per_step = summary["passes_ms"], summary["step_passes_ms"]
