@@ -205,9 +205,10 @@ class AlgorithmEngine:
         nbytes = buf.numel() * buf.element_size()
         return [v[at : at + nbytes].view(buf.dtype) for v in self._symmetric[i]], at
 
-    def _agree_symmetric(self, regions: SharedRegions, buf: torch.Tensor) -> list[torch.Tensor] | None:
+    def _agree_symmetric(self, regions: SharedRegions, buf: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
         """With adoption on: every rank's buffer as mapped here if all of them lie in symmetric
-        memory (adopting them now if all are candidates), else None on every rank alike
+        memory (adopting them now if all are candidates), with offset 0 for the signature (ranks
+        may hold theirs at different places), else None on every rank alike
         (:mod:`collectives.adoption`). One step: the ranks exchange where their buffers lie."""
         n, r, nbytes = regions.world_size, regions.rank, buf.numel() * buf.element_size()
         where = self._where(buf)
@@ -232,17 +233,15 @@ class AlgorithmEngine:
             table = [[len(self._symmetric) - 1, 0, nbytes]] * n
         if any(row[0] < 0 for row in table):
             return None
-        return [self._symmetric[i][q][at : at + nbytes].view(buf.dtype) for q, (i, at, _) in enumerate(table)]
+        return [self._symmetric[i][q][at : at + nbytes].view(buf.dtype) for q, (i, at, _) in enumerate(table)], 0
 
     def all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> None:
         if algorithm == "auto" and (regions := self._regions()) is not None:
-            large = buf.numel() * buf.element_size() > shm_algorithms.one_shot_limit(regions.world_size)
-            if large and self.tuning.adopt_bytes > 0:
-                if (bufs := self._agree_symmetric(regions, buf)) is not None:
-                    shm_algorithms.all_reduce_symmetric(regions, bufs, op, 0)
-                else:
-                    shm_algorithms.all_reduce(regions, buf, op)
-            elif large and (found := self._in_symmetric(buf)) is not None:
+            found = None
+            if buf.numel() * buf.element_size() > shm_algorithms.one_shot_limit(regions.world_size):
+                adopt = self.tuning.adopt_bytes > 0
+                found = self._agree_symmetric(regions, buf) if adopt else self._in_symmetric(buf)
+            if found is not None:
                 shm_algorithms.all_reduce_symmetric(regions, found[0], op, found[1])
             else:
                 shm_algorithms.all_reduce(regions, buf, op)
