@@ -88,11 +88,16 @@ def _lower_priority(steps: int) -> None:
     if steps == 0 or not hasattr(os, "setpriority"):
         return
     tid = threading.get_native_id()
-    changes = [lambda: os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))]
-    if hasattr(os, "SCHED_BATCH") and os.sched_getscheduler(tid) == os.SCHED_OTHER:
-        changes.append(lambda: os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0)))
-    for change in changes:
-        try:
+
+    def nice() -> None:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
+
+    def batch() -> None:
+        if os.sched_getscheduler(tid) == os.SCHED_OTHER:
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+
+    for change in (nice, batch) if hasattr(os, "SCHED_BATCH") else (nice,):
+        try:  # each on its own, so a sandbox refusing one (even the policy's read) keeps the other
             change()
         except OSError as exc:  # lowering one's own priority is always allowed; a sandbox may still refuse
             log.debug("communication thread keeps its priority or policy: %s", exc)
