@@ -8,28 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, TypeVar
 
-from ...sizes import env_size
+from ...sizes import env_size, env_value
 from .control import MAX_SLOTS, PAGE, PAIR
-
-T = TypeVar("T")
 
 
 class ShmUnavailableError(RuntimeError):
     """Shared memory cannot be set up (file system too small, peers on another host, ...)."""
-
-
-def _env(name: str, parse: Callable[[str], T], expected: str, default: T) -> T:
-    """``$name`` read by ``parse`` (``default`` when unset or empty); a bad value raises a
-    ValueError naming the variable and what it takes (byte counts: :func:`~collectives.sizes.env_size`)."""
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        return parse(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected {expected}") from None
 
 
 def _microseconds(text: str) -> float:
@@ -63,9 +48,9 @@ class ShmConfig:
         return cls(
             directory=os.environ.get("RINGDDP_SHM_DIR", cls.directory),
             slot_bytes=env_size("RINGDDP_SHM_SLOT_BYTES", cls.slot_bytes),
-            slots=_env("RINGDDP_SHM_SLOTS", int, f"an integer from 1 to {MAX_SLOTS}", cls.slots),
+            slots=env_value("RINGDDP_SHM_SLOTS", int, f"an integer from 1 to {MAX_SLOTS}", cls.slots),
             region_bytes=env_size("RINGDDP_SHM_REGION_BYTES", cls.region_bytes),
-            spin_seconds=_env("RINGDDP_SHM_SPIN_US", _microseconds, "microseconds, such as 50", cls.spin_seconds),
+            spin_seconds=env_value("RINGDDP_SHM_SPIN_US", _microseconds, "microseconds, such as 50", cls.spin_seconds),
             cma=os.environ.get("RINGDDP_SHM_CMA", "1") != "0",
         )
 
