@@ -17,7 +17,8 @@ from the same restored input; inputs are small integers so the sums are exact).
 Columns: ``time`` in microseconds; ``algbw`` = size / time; ``busbw`` = algbw × the nccl-tests
 factor (all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all, scatter, gather (n-1)/n;
 broadcast 1), which makes numbers comparable across world sizes: it is the bandwidth each rank's
-link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are faster).
+link actually sustained. ``vs torch`` is our busbw / torch's busbw (> 1: we are faster), computed as
+torch's time / ours so that it stays defined at world size 1, where busbw is 0.
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
@@ -331,11 +332,12 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         row[f"{k}_cpu_ms"] = c * 1e3
                         row[f"{k}_algbw"] = size / t / 1e9 if t == t and t > 0 else nan
                         row[f"{k}_busbw"] = row[f"{k}_algbw"] * factor
-                    row["vs_torch"] = row["ours_busbw"] / row["torch_busbw"]
-                    row["vs_wire"] = row["ours_busbw"] / row["wire_busbw"] if has_wire else nan
+                    # busbw ratios, taken as time ratios: the same at n > 1, defined at n = 1 (busbw 0)
+                    row["vs_torch"] = row["torch_us"] / row["ours_us"]
+                    row["vs_wire"] = row["wire_us"] / row["ours_us"] if has_wire else nan
                     row["check"] = row["ours_us"] / row["off_us"] - 1 if check_cost else nan
-                    row["shm_vs_torch"] = row["shm_busbw"] / row["torch_busbw"]
-                    row["sym_vs_torch"] = row["sym_busbw"] / row["torch_busbw"]
+                    row["shm_vs_torch"] = row["torch_us"] / row["shm_us"]
+                    row["sym_vs_torch"] = row["torch_us"] / row["sym_us"]
                     row["shm_vs_memcpy"] = row["shm_us"] / row["memcpy_us"]  # time: copies' worth
                     row["algorithm"] = costmodel.algorithm_for(op, algorithm, size, layout, ours.tuning)
                     if links:

@@ -35,6 +35,18 @@ def test_bench_every_op_table_json_and_plot(tmp_path, capsys):
     assert "vs torch" in table and "cpu ms" in table and table.count("all_reduce") == 4
 
 
+@pytest.mark.timeout(120)
+def test_bench_at_world_size_one(tmp_path):
+    """busbw is 0 at one rank (factor (n-1)/n): the ratios are still defined (they are time ratios)."""
+    out = tmp_path / "bench.json"
+    argv = ["--ops", "all_reduce,all_gather", "--world-sizes", "1", "--min-bytes", "4K", "--max-bytes", "4K",
+            "--iters", "2", "--json", str(out)]
+    assert bench.main(argv) == 0
+    for r in json.loads(out.read_text()):
+        assert r["wrong"] == 0 and r["ours_busbw"] == 0
+        assert r["vs_torch"] == pytest.approx(r["torch_us"] / r["ours_us"]), r["op"]
+
+
 def test_bench_rejects_gpu_mode_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: the GPU mode runs instead of being refused")
