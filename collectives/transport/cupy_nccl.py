@@ -543,7 +543,18 @@ class CupyNcclTransport(Transport):
         world_size = process_group.size()
         uid = share_unique_id(process_group, rank, world_size, timeout, nccl.get_unique_id)
         with cupy.cuda.Device(device.index):
-            comm = _make_communicator(nccl, world_size, uid, rank)
+            try:
+                comm = _make_communicator(nccl, world_size, uid, rank)
+            except nccl.NcclError as exc:
+                if "INVALID_USAGE" not in str(exc):
+                    raise
+                # Seen on an H100 with two ranks on its one GPU: NCCL's bare message names no cause.
+                raise RuntimeError(
+                    f"NCCL refused rank {rank}'s communicator on {device} ({exc}); NCCL allows one rank per "
+                    f"GPU, and {torch.cuda.device_count() if torch.cuda.is_available() else 0} are visible "
+                    f"here for a group of {world_size}: give each rank of a host its own device "
+                    "(CUDA_VISIBLE_DEVICES, or fewer ranks per host)"
+                ) from exc
         log.debug("rank %d/%d: NCCL communicator ready on %s", rank, world_size, device)
         return cls(comm, nccl, rank, world_size, timeout, device)
 

@@ -411,6 +411,17 @@ def test_create_world1_builds_communicator_under_device(monkeypatch):
     assert t.comm.uid == uid
 
 
+def test_create_names_one_rank_per_gpu_when_nccl_refuses(monkeypatch):
+    class Refused(FakeCommunicator):
+        def __init__(self, *args):
+            raise FakeNcclError("NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WARN for details)")
+
+    install_fake_cupy(monkeypatch, fake_cupy([], comm_cls=Refused))
+    with pytest.raises(RuntimeError, match="one rank per GPU") as info:
+        CupyNcclTransport.create(FakeProcessGroup(1), 0, 5.0, torch.device("cuda", 0))
+    assert isinstance(info.value.__cause__, FakeNcclError)
+
+
 def test_create_rejects_cpu_device(monkeypatch):
     install_fake_cupy(monkeypatch, fake_cupy([]))
     with pytest.raises(ValueError, match="CUDA"):
