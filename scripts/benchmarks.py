@@ -403,9 +403,13 @@ Linear(2048), 16.8 M parameters, batch 64 per rank, 2 ranks) with torch's
   copy) + copy/n`), or, with adoption opted in (row `torch DDP ringddp adopt`,
   `RINGDDP_ADOPT_BYTES`), reads the adopted buckets in place (`scale + copy + (n-1)/n (add +
   copy)`). With a core per rank these passes take the core from backward, so they
-  estimate the least `comm` can be (`ddp/bench.py`, `step_passes_ms`); roughly: the local row
-  keeps every fresh gradient until `zero_grad`, so it gets new pages every step, while a DDP
-  frees each once it is in a bucket, which can bring a DDP row below the estimate.
+  estimate the least `comm` can be (`ddp/bench.py`, `step_passes_ms`).
+
+Every rank first makes its C allocator keep the memory it frees (`--allocator steady`, the
+default): the local row keeps every fresh gradient until `zero_grad` and so needs them all anew
+each step, and with glibc as it comes whether those pages are still mapped depends on what the
+process allocated before, which moved the local step between 52.5 and 65.4 ms (11 × Linear(1024))
+and between 72 and 93 ms (this model) from run to run, and `comm` with it.
 
 Our DDP keeps its CPU buckets in symmetric memory, so on `shm` (the default, `auto`, on one host)
 each bucket's all-reduce reads the peers' buckets in place, and its `.grad` tensors are views

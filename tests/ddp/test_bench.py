@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -26,6 +28,7 @@ def test_bench_smoke(tmp_path, capsys):
     assert set(rows) == {"torch DDP", "torch DDP ringddp", "torch DDP ringddp adopt", "torch FSDP2", "torch FSDP2 ringddp",
                          "ours 25 MB", "ours 0 MB", "local (no comm)"}
     assert summary["params"] == 2 * (64 * 64 + 64)
+    assert summary["allocator"] == summary["config"]["allocator"] == "steady"
     for row in rows.values():
         assert row["steps"] == 4  # 2 timed rounds x 2 steps
         for key in ("step_ms", "forward_ms", "backward_ms", "optim_ms", "speed_vs_torch"):
@@ -64,7 +67,7 @@ def test_bench_smoke(tmp_path, capsys):
     table = capsys.readouterr().out
     for name in rows:
         assert name in table
-    assert "vs torch" in table
+    assert "vs torch" in table and "steady allocator" in table
     assert bench.format_passes(summary) in table
 
 
@@ -154,3 +157,32 @@ def test_bench_zero_rows_traffic_and_memory(tmp_path, capsys):
     assert all(r["in_sync"] for r in rows.values() if r["kind"] != "local")
     assert rows["ours ZeRO-3"]["vs_ddp"] > 0 and rows["torch FSDP2"]["speed_vs_torch"] == pytest.approx(1.0)
     assert "sent MB" in capsys.readouterr().out
+
+
+_ALLOCATE_TWICE = """
+import resource, sys, torch
+from ddp.bench import keep_freed_memory
+if sys.argv[1] == "steady":
+    assert keep_freed_memory()
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.ones(16 << 20)  # 64 MiB, every page written
+    del t
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.parametrize("allocator", ["steady", "default"])
+def test_steady_allocator_maps_a_freed_tensor_once(allocator):
+    """--allocator steady: 64 MiB allocated and freed again and again stops costing page faults
+    once the heap holds it (glibc places it in two alternating spots, so after two or three
+    rounds); glibc as it comes maps it and faults it in anew every time. In a process of its own."""
+    done = subprocess.run([sys.executable, "-c", _ALLOCATE_TWICE, allocator], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    faults = [int(line) for line in done.stdout.split()]
+    pages = (64 << 20) // 4096
+    assert faults[0] >= pages // 2
+    if allocator == "steady":
+        assert max(faults[3:]) < pages // 64, faults
+    else:
+        assert min(faults) >= pages // 2, faults
