@@ -40,11 +40,13 @@ PowerSGD hook does): they run on the communication thread, and a collective issu
 once (see :mod:`collectives.work`).
 
 Refused, with a clear error: ``recv_anysource`` (our wire matches messages by sender; there is
-no any-source receive), ``PREMUL_SUM`` and the bitwise reduce ops, CUDA tensors (``devices`` is
-``cpu``), and torch's ``monitored_barrier`` (torch allows it on gloo only; ``collectives``' own
-``monitored_barrier`` runs on any backend). A Python process group replaces torch's
-``ProcessGroup`` object, so it cannot be one entry of a per-device string such as
-``"cpu:ringddp,cuda:nccl"``.
+no any-source receive), ``PREMUL_SUM`` and the bitwise reduce ops, and torch's
+``monitored_barrier`` (torch allows it on gloo only; ``collectives``' own ``monitored_barrier``
+runs on any backend). The backend is registered for ``cpu``, but a Python process group replaces
+torch's ``ProcessGroup`` object, so it cannot be one entry of a per-device string such as
+``"cpu:ringddp,cuda:nccl"``, and CUDA tensors handed to it go to the group's engine for CUDA:
+under ``auto`` our ``nccl-cupy`` (CuPy, one GPU per rank); without CuPy that engine raises the
+install hint, and a CPU-only transport chosen explicitly a ``ValueError``, before any traffic.
 """
 
 from __future__ import annotations

@@ -681,3 +681,56 @@ def test_unmodified_script_under_torchrun():
                 lines.append(f.read().split())
     assert [line[:4] for line in lines] == [["0", "ringddp", "RingddpProcessGroup", "[3.0,"], ["1", "ringddp", "RingddpProcessGroup", "[3.0,"]]
     assert lines[0][-1] == lines[1][-1]  # the same averaged gradient on both ranks
+
+
+# ---------------------------------------------------------------------------- real GPU (skipped here)
+
+
+def cuda_through_ringddp(rank: int, world_size: int) -> dict:
+    """CUDA tensors through a ringddp group (under ``auto``: our nccl-cupy engine) and through
+    torch's NCCL group: a few calls, and torch's DDP on a CUDA model."""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    ours, nccl = tdist.new_group(backend="ringddp"), tdist.new_group(backend="nccl")
+    out: dict = {}
+    for name, g in (("ringddp", ours), ("nccl", nccl)):
+        t = torch.arange(6, dtype=torch.float32, device=dev) + rank
+        tdist.all_reduce(t, group=g)
+        b = torch.full((3,), float(rank), device=dev)
+        tdist.broadcast(b, 0, group=g)
+        gathered = torch.empty(2 * world_size, device=dev)
+        tdist.all_gather_into_tensor(gathered, torch.tensor([rank, -rank], dtype=torch.float32, device=dev), group=g)
+        scattered = torch.empty(2, device=dev)
+        tdist.reduce_scatter_tensor(scattered, torch.arange(2.0 * world_size, device=dev) * (rank + 1), group=g)
+        a = torch.ones(4, device=dev)
+        tdist.all_reduce(a, group=g, async_op=True).wait()
+        out[name] = [x.cpu() for x in (t, b, gathered, scattered, a)] + [_train_cuda_ddp(g, rank, dev)]
+    return {k: [x.tolist() for x in v] for k, v in out.items()}
+
+
+def _train_cuda_ddp(group, rank: int, dev: torch.device) -> torch.Tensor:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = Net().to(dev)
+    ddp = DistributedDataParallel(model, device_ids=[dev.index], process_group=group, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        x, y = torch.randn(5, 8, generator=gen).to(dev), torch.randn(5, 4, generator=gen).to(dev)
+        ((ddp(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+
+
+@pytest.mark.timeout(300)
+def test_gpu_cuda_tensors_through_the_ringddp_backend():
+    """On a GPU machine with CuPy, CUDA tensors on a ringddp group run on our nccl-cupy engine:
+    equal to torch's NCCL (bitwise: exact values, and at most two ranks' sums), torch's DDP too."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible: CUDA through the ringddp backend is skipped")
+    pytest.importorskip("cupy", reason="CuPy is not installed (pip install ringddp[cuda])")
+    world = min(2, torch.cuda.device_count())
+    for result in collectives.launch(cuda_through_ringddp, world, timeout=60, join_timeout=240):
+        assert result["ringddp"] == result["nccl"]

@@ -189,12 +189,13 @@ def _np(ts) -> list[np.ndarray]:
     return [t.detach().cpu().numpy().copy() for t in ts]
 
 
-def train(c: dict[str, Any], rank: int, world: int, group: Any = None, stage: int | None = None) -> list[np.ndarray]:
-    """Train case ``c`` at ``stage`` (default the case's) on ``group`` (rank ``rank`` of ``world``);
-    the full parameters afterwards."""
+def train(c: dict[str, Any], rank: int, world: int, group: Any = None, stage: int | None = None,
+          device: str = "cpu") -> list[np.ndarray]:
+    """Train case ``c`` at ``stage`` (default the case's) on ``group`` (rank ``rank`` of ``world``),
+    model and batches on ``device``; the full parameters afterwards."""
     stage = c["stage"] if stage is None else stage
     kind = c["model"]
-    model = build(kind, MODEL_SEED + 1000 * rank)  # the wrapper broadcasts rank 0's
+    model = build(kind, MODEL_SEED + 1000 * rank).to(device)  # the wrapper broadcasts rank 0's
     params = list(model.parameters())
     zero_kw = dict(c["zero"])
     if stage == 0:
@@ -206,6 +207,7 @@ def train(c: dict[str, Any], rank: int, world: int, group: Any = None, stage: in
     for micro_batches in batches(kind, world, c["micro"]):
         for m, (x, y) in enumerate(micro_batches):
             last = m == len(micro_batches) - 1
+            x, y = x.to(device), y.to(device)
             with contextlib.nullcontext() if last else wrapped.no_sync():
                 out = wrapped(rows(x, rank), use_branch=c["branch"] == "all" or rank == 0)
                 (loss_fn(kind, out, rows(y, rank)) / len(micro_batches)).backward()
@@ -737,3 +739,42 @@ def test_misuse_raises_clear_errors_on_every_rank(ckpt_dir: str) -> None:
             assert m[f"failed_backward_{stage}"][0] == "ValueError" and m[f"recovered_{stage}"][0] == "ok", m
         kind, message = m["divergent_unit"]  # the gather-order check, or the collectives' own mismatch check
         assert kind == "RuntimeError" and "gathered different units" in message or "Collective" in kind, m["divergent_unit"]
+
+
+# ---------------------------------------------------------------------------- real GPU (skipped here)
+
+
+def gpu_cases() -> list[dict[str, Any]]:
+    return ladder(("uneven", "unused", "tied"), ("adamw",)) + [
+        case("z2-no-sync-clip", 2, micro=2, clip=0.05), case("z1-keep-grads", 1, opt="sgd", set_to_none=False)]
+
+
+def gpu_worker(rank: int, world: int, device_type: str = "cuda") -> dict[str, list[np.ndarray]]:
+    """Each of :func:`gpu_cases` at its stage and at stage 0 (our DDP), on this rank's GPU."""
+    device = f"cuda:{rank}" if device_type == "cuda" else device_type
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    out = {}
+    for c in gpu_cases():
+        out[c["name"]] = train(c, rank, world, device=device)
+        out[c["name"] + "@0"] = train(c, rank, world, stage=0, device=device)
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_gpu_stages_on_cuda_match_one_process() -> None:
+    """ZeRO 1-3 and our DDP on CUDA tensors over ``nccl-cupy`` (one rank per GPU: 1 rank with one
+    GPU, 2 with two): replicas bitwise equal, and equal to one CPU process on the whole batch
+    (float64; cuBLAS and the CPU sum in other orders, so ``rtol=1e-9``)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible: the GPU ZeRO run is skipped")
+    pytest.importorskip("cupy", reason="CuPy is not installed (pip install ringddp[cuda])")
+    world = min(2, torch.cuda.device_count())
+    per_rank = collectives.launch(gpu_worker, world, backend="nccl-cupy", timeout=60, join_timeout=300)
+    cases = {c["name"]: c for c in gpu_cases()}
+    for name, got in per_rank[0].items():
+        for r in range(1, world):
+            assert all(np.array_equal(a, b) for a, b in zip(per_rank[r][name], got)), f"{name}: rank {r} differs"
+        want = reference(cases[name.removesuffix("@0")], world)
+        for i, (g, w) in enumerate(zip(got, want)):
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=f"{name} on CUDA, parameter {i}")
