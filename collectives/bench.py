@@ -22,9 +22,14 @@ torch's time / ours so that it stays defined at world size 1, where busbw is 0.
 ``--cpu`` adds the CPU time per call (user + system, every thread of the process, so gloo's I/O
 threads and the kernel's socket copies count; median per rank, mean over ranks): on a host with
 fewer cores than busy threads, it is CPU, not the wire, that sets the pace.
-``--timing loop`` times the way nccl-tests does instead: after one barrier, ``calls`` calls back to
-back (``8 MiB / size``, 1 to 50), their mean, without restoring the input between calls (sums grow,
-floats may reach inf: the time does not depend on the values). The per-call barrier mode measures
+``--timing loop`` times the way nccl-tests does instead: after one barrier and, as nccl-tests' warm-up
+iterations, up to 5 untimed calls (``calls`` if fewer: none at one call), ``calls`` calls back to back
+(``8 MiB / size``, 1 to 50), their mean, without restoring the input between calls (sums grow,
+floats may reach inf: the time does not depend on the values). The warm-up takes the barrier's exit
+skew and the first call after other work (its code and data out of the caches: 100-400 µs for a
+4 KiB all-reduce on the 2-core VM) out of the mean: 4 KiB over shared memory at 2 ranks measured
+23.2-23.6 µs a call without it, 15.1-15.5 µs with it (two runs each, alternating; gloo's the same
+within its noise). The per-call barrier mode measures
 one call from a common start, but the ranks leave torch's barrier tens to hundreds of µs apart
 (median exit skew measured on the 2-core machine: 20-70 µs at 2 ranks, 220-290 µs at 4; the bench
 logs it per world size and stores it as ``barrier_skew_us``), which the first rank out waits
@@ -190,18 +195,31 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+#: untimed calls before a ``--timing loop`` sample's clock starts, as nccl-tests' warm-up iterations.
+LOOP_WARMUP = 5
+
+
 def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[], Any],
            calls: int = 1) -> tuple[float, float]:
     """(wall seconds, CPU seconds) per call of ``calls`` back-to-back calls of ``fn``, started
-    after a barrier (``calls`` > 1: ``--timing loop``, the input restored only before the first)."""
+    after a barrier (``calls`` > 1: ``--timing loop``, the input restored only before the first,
+    and the clock started after :data:`LOOP_WARMUP` more calls, at most ``calls``)."""
     prepare()
     sync()
     tdist.barrier()
+    for _ in range(_warmup_calls(calls)):
+        fn()
+    sync()
     start, cpu = time.perf_counter(), _cpu_seconds()
     for _ in range(calls):
         fn()
     sync()  # torch's NCCL collectives return before the GPU is done
     return (time.perf_counter() - start) / calls, (_cpu_seconds() - cpu) / calls
+
+
+def _warmup_calls(calls: int) -> int:
+    """Untimed calls before a sample of ``calls`` timed ones: none in the per-call barrier mode."""
+    return min(LOOP_WARMUP, calls) if calls > 1 else 0
 
 
 def _barrier_skew(n: int, rounds: int = 50) -> float:
@@ -326,6 +344,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     factor = BUS_FACTOR[op](n)
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
                            "wrong": int(med[-1]), "backend": backend, "timing": timing, "calls": calls,
+                           "warmup": _warmup_calls(calls),
                            "barrier_skew_us": skew * 1e6}
                     for k, t, c in zip(variants, med[:-1].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
@@ -453,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                         "memcpy of the op's buffer (memcpy us; shm/cpy = shm time / memcpy time)")
     p.add_argument("--timing", default="barrier", choices=("barrier", "loop"),
                    help="barrier: one call after each barrier, input restored (default); loop: nccl-tests style, "
-                        "8 MiB / size calls (1-50) back to back after one barrier, their mean")
+                        "8 MiB / size calls (1-50) back to back after one barrier and up to 5 untimed ones, their mean")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)

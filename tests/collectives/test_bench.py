@@ -36,14 +36,20 @@ def test_bench_every_op_table_json_and_plot(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_bench_at_world_size_one(tmp_path):
-    """busbw is 0 at one rank (factor (n-1)/n): the ratios are still defined (they are time ratios)."""
+def test_bench_loop_timing_at_world_size_one(tmp_path):
+    """busbw is 0 at one rank (factor (n-1)/n): the ratios are still defined (they are time ratios).
+    The loop mode times ``8 MiB / size`` calls (at most 50) after untimed warm-up calls."""
     out = tmp_path / "bench.json"
-    argv = ["--ops", "all_reduce,all_gather", "--world-sizes", "1", "--min-bytes", "4K", "--max-bytes", "4K",
-            "--iters", "2", "--json", str(out)]
+    argv = ["--ops", "all_reduce,all_gather", "--world-sizes", "1", "--min-bytes", "4K", "--max-bytes", "4M",
+            "--iters", "2", "--timing", "loop", "--json", str(out)]
     assert bench.main(argv) == 0
-    for r in json.loads(out.read_text()):
-        assert r["wrong"] == 0 and r["ours_busbw"] == 0
+    rows = json.loads(out.read_text())
+    assert {(r["bytes"], r["calls"], r["warmup"]) for r in rows} == {
+        (4 << 10, 50, 5), (64 << 10, 50, 5), (1 << 20, 8, 5), (4 << 20, 2, 2),
+        (8 << 10, 50, 5), (16 << 10, 50, 5), (32 << 10, 50, 5), (128 << 10, 50, 5), (256 << 10, 32, 5),
+        (512 << 10, 16, 5), (2 << 20, 4, 4)}
+    for r in rows:
+        assert r["wrong"] == 0 and r["ours_busbw"] == 0 and r["timing"] == "loop"
         assert r["vs_torch"] == pytest.approx(r["torch_us"] / r["ours_us"]), r["op"]
 
 
