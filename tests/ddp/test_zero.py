@@ -749,11 +749,10 @@ def gpu_cases() -> list[dict[str, Any]]:
         case("z2-no-sync-clip", 2, micro=2, clip=0.05), case("z1-keep-grads", 1, opt="sgd", set_to_none=False)]
 
 
-def gpu_worker(rank: int, world: int, device_type: str = "cuda") -> dict[str, list[np.ndarray]]:
+def gpu_worker(rank: int, world: int) -> dict[str, list[np.ndarray]]:
     """Each of :func:`gpu_cases` at its stage and at stage 0 (our DDP), on this rank's GPU."""
-    device = f"cuda:{rank}" if device_type == "cuda" else device_type
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
     out = {}
     for c in gpu_cases():
         out[c["name"]] = train(c, rank, world, device=device)
