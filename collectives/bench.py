@@ -207,9 +207,10 @@ def _timed(prepare: Callable[[], Any], fn: Callable[[], Any], sync: Callable[[],
     prepare()
     sync()
     tdist.barrier()
-    for _ in range(_warmup_calls(calls)):
-        fn()
-    sync()
+    if warmup := _warmup_calls(calls):
+        for _ in range(warmup):
+            fn()
+        sync()
     start, cpu = time.perf_counter(), _cpu_seconds()
     for _ in range(calls):
         fn()
