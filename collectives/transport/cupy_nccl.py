@@ -551,7 +551,7 @@ class CupyNcclTransport(Transport):
                 # Seen on an H100 with two ranks on its one GPU: NCCL's bare message names no cause.
                 raise RuntimeError(
                     f"NCCL refused rank {rank}'s communicator on {device} ({exc}); NCCL allows one rank per "
-                    f"GPU, and {torch.cuda.device_count() if torch.cuda.is_available() else 0} are visible "
+                    f"GPU, and {torch.cuda.device_count()} are visible "
                     f"here for a group of {world_size}: give each rank of a host its own device "
                     "(CUDA_VISIBLE_DEVICES, or fewer ranks per host)"
                 ) from exc
