@@ -319,7 +319,7 @@ Other options: `--segment-bytes`, `--small-bytes`, `--chain-bytes` and `--depth`
 group's `Tuning` ([DESIGN.md](DESIGN.md) §3); `--algorithm` forces one; `--plot` draws
 busbw against size; `--model` adds the α/β cost model's prediction and `--hosts` runs on
 emulated hosts ([multinode.md](multinode.md)); `--backend nccl-cupy` times CUDA tensors against
-torch's NCCL ([nccl.md](nccl.md); not yet run on a GPU)."""
+torch's NCCL ([nccl.md](nccl.md): run on one GPU at one rank so far, where nothing crosses a wire)."""
 
 _ALL_REDUCE = """\
 ## all_reduce
