@@ -87,7 +87,7 @@ from ..reducer import CommHook, Reducer
 from .buckets import ShardBucket
 from .memory import PeakTracker
 from .schedule import UnitSchedule, assign_units
-from .units import FlatParams
+from .units import FlatParams, wait_all
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,7 @@ class ZeroDataParallel(DistributedDataParallel):
             init_sync=init_sync,
         )
         self.stage = stage
+        self._in_summon = False  # inside summon_full_params
         self._param_ids = tuple(id(p) for p in module.parameters())
         self_ref = weakref.ref(self)
         for key in [k for k, (p, m) in _owners.items() if p() is None or m() is None]:
@@ -337,6 +338,11 @@ class ZeroDataParallel(DistributedDataParallel):
     # ------------------------------------------------------------------ forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._in_summon:
+            raise RuntimeError(
+                "ZeroDataParallel: forward inside summon_full_params is not supported (the parameters hold the "
+                "full values in the masters' dtype there, not what the module computes with); run it after the block"
+            )
         self._check_parameters()
         mp = self._mp
         if mp.param_dtype is not None and mp.cast_forward_inputs:
@@ -385,11 +391,10 @@ class ZeroDataParallel(DistributedDataParallel):
         if self.schedule is not None:
             self.schedule.release_all()
 
-    def publish(self) -> None:
-        """After the optimizer step (stages 1, 2): all-gather every unit's updated chunk, in place."""
-        pending = [w for w in (unit.publish() for unit in self.units) if w is not None]
-        for work in pending:
-            work.wait()
+    def publish(self, frozen: bool = False) -> None:
+        """After the optimizer step (stages 1, 2): all-gather every trainable unit's updated chunk, in
+        place. ``frozen``: every unit, the frozen ones too (after their masters were loaded)."""
+        wait_all(unit.publish() for unit in self.units if frozen or unit.trainable)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients: ``.grad`` of the module, and the averaged chunks."""
@@ -430,24 +435,27 @@ class ZeroDataParallel(DistributedDataParallel):
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
-        """Inside the block every parameter holds its full value (stage 3 gathers all units).
+        """Inside the block every parameter holds its full value in the masters' dtype: the numbers
+        the optimizer updates (float32 under mixed precision, as torch's FSDP shows them), never the
+        rounded compute copy.
 
-        With ``writeback`` changes made to the parameters inside the block are kept (each rank
-        copies its chunk back into its master). Collective: every rank enters it.
+        With ``writeback`` what the block writes into the parameters is kept, exactly: each rank
+        copies its own chunk into its master chunk (write the same values on every rank; where
+        they differ, each element keeps its owner's), and the compute copies are cast from the
+        masters again on every rank. Without it the masters stay as they were. Collective: every
+        rank enters it. No forward or backward pass inside the block, and no nesting.
         """
-        if self.schedule is not None:
-            if self.schedule.in_backward:
-                raise RuntimeError("ZeroDataParallel: summon_full_params inside a backward pass is not supported")
-            self.schedule.gather_all()
+        if self._in_summon:
+            raise RuntimeError("ZeroDataParallel: summon_full_params is already active (no nesting)")
+        if self.schedule is not None and self.schedule.in_backward:
+            raise RuntimeError("ZeroDataParallel: summon_full_params inside a backward pass is not supported")
+        wait_all(unit.summon(writeback) for unit in self.units)
+        self._in_summon = True
         try:
             yield
         finally:
-            for unit in self.units:
-                if writeback:
-                    unit.write_back()
-                unit.release()
-            if self.schedule is not None:
-                self.schedule.forget_gathers()
+            self._in_summon = False
+            wait_all(unit.unsummon(writeback) for unit in self.units)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's ``state_dict()`` with full parameter values (the masters' dtype).

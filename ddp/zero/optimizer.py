@@ -49,7 +49,7 @@ from collectives import Group
 
 from ..bucket import assign_buckets, cap_from_mb
 from .model import OwnedPiece, ZeroDataParallel, owner_of
-from .units import FlatParams
+from .units import FlatParams, wait_all
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +240,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self.model is not None:
             self.model.publish()
         else:
-            for work in [unit.publish() for unit in self._units]:
-                if work is not None:
-                    work.wait()
+            wait_all(unit.publish() for unit in self._units if unit.trainable)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

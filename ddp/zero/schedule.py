@@ -87,18 +87,10 @@ class UnitSchedule:
             self._gathered = zlib.crc32(u.to_bytes(4, "little"), self._gathered)
         flat.gather(async_op)
 
-    def gather_all(self) -> None:
-        for u in range(len(self.flats)):
-            self.gather(u)
-
     def release_all(self) -> None:
         for flat in self.flats:
             if flat is not None:
                 flat.release()
-
-    def forget_gathers(self) -> None:
-        """Gathers outside the training step (``summon_full_params``) take no part in the check."""
-        self._gathered = 0
 
     # ------------------------------------------------------------------ forward
 

@@ -13,6 +13,12 @@ updated chunk into it and one in-place ``all_gather_into_tensor`` completes it e
 (:meth:`publish`). Without mixed precision the master chunk *is* a view of the full buffer (no
 second copy).
 
+``summon_full_params`` shows the parameters in the *master* dtype (:meth:`summon`): resident
+without mixed precision they already are; otherwise the masters are all-gathered into a buffer of
+their own, so the rounded compute copy is never written over a master. Leaving the block
+(:meth:`unsummon`) keeps this rank's chunk of what the parameters hold (or the masters as they
+were), then resident units publish again, so every rank computes with the owners' values.
+
 Stage 3 keeps only the master chunk. :meth:`gather` allocates the full buffer, all-gathers it
 (``(n-1)/n · S`` bytes received per rank, ``S`` the unit's bytes) and points the parameters at
 it; :meth:`release` frees it and points them at empty tensors. The buffer is one tensor whose
@@ -26,7 +32,7 @@ counter, so autograd does not mistake a gather for an in-place change of a saved
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -78,7 +84,8 @@ class FlatParams:
         self.compute_dtype = compute_dtype or self.master_dtype
         self.device = params[0].device
         self.resident = resident
-        self.trainable = any(p.requires_grad for p in params)  # frozen units never change: nothing to publish
+        #: whether any parameter trains: only those units change at an optimizer step
+        self.trainable = any(p.requires_grad for p in params)
         self._memory = memory or (lambda delta: None)
         lo, hi = self.layout.chunk_range(self.rank)
         with torch.no_grad():
@@ -92,6 +99,8 @@ class FlatParams:
         self.aliased = aliased
         self.gathered = True
         self._pending: Work | None = None
+        self._summoned: torch.Tensor | None = None  # the full masters while summoned (not aliased)
+        self._kept: torch.Tensor | None = None  # the master chunk to restore (aliased, no writeback)
         self._point_params()
         if not resident:
             self._memory(self.full_bytes)  # counted as gathered until the release below
@@ -142,8 +151,7 @@ class FlatParams:
         self.wait()
         if self.resident or not self.gathered:
             return
-        for p in self.params:
-            p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        self._empty_params()
         storage = self.full.untyped_storage()
         if not storage.resizable():
             # Its memory was handed out (``.numpy()`` of a parameter, between steps): leave that
@@ -161,16 +169,21 @@ class FlatParams:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _point_params(self) -> None:
-        for p, view in zip(self.params, self.layout.views(self.full, self.shapes)):
+    def _point_params(self, flat: torch.Tensor | None = None) -> None:
+        for p, view in zip(self.params, self.layout.views(self.full if flat is None else flat, self.shapes)):
             p.data = view
+
+    def _empty_params(self) -> None:
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     # ------------------------------------------------------------------ after the optimizer step
 
     def publish(self) -> Work | None:
-        """Stages 1, 2: write the updated master chunk into the full buffer and start the in-place
-        all-gather that brings every rank's chunk to every rank. Returns the pending work."""
-        if not self.resident or not self.trainable:
+        """Stages 1, 2: write the master chunk into the full buffer (cast to the compute dtype) and
+        start the in-place all-gather that brings every rank's chunk to every rank. Returns the
+        pending work (``None`` at stage 3: the next gather reads the masters)."""
+        if not self.resident:
             return None
         chunk = self.chunk()
         if not self.aliased:
@@ -179,11 +192,59 @@ class FlatParams:
         with trace.label(f"all_gather unit {self.index}"):
             return collectives.all_gather_into_tensor(self.full, chunk, group=self.group, async_op=True)
 
-    def write_back(self) -> None:
-        """The full buffer's chunk -> the master chunk (after the user changed the full values)."""
-        if not self.aliased and self.gathered:
-            with torch.no_grad():
-                self.master.copy_(self.chunk())
+    # ------------------------------------------------------------------ summon_full_params
+
+    def summon(self, writeback: bool) -> Work | None:
+        """Point the parameters at the full values in the master dtype; returns the pending gather.
+
+        Aliased (stages 1, 2 without mixed precision) they are there already; without
+        ``writeback`` the master chunk is kept aside to be restored. Otherwise the masters are
+        all-gathered into a buffer of their own: the compute copy is never written over them.
+        """
+        if self.aliased:
+            self._kept = None if writeback else self.master.clone()
+            return None
+        self.release()  # stage 3: a unit still gathered in the compute dtype gives way
+        values = torch.empty(self.layout.padded, dtype=self.master_dtype, device=self.device)
+        self._memory(values.numel() * values.element_size())
+        self._summoned = values
+        self._point_params(values)
+        self._sync_device()
+        with trace.label(f"all_gather unit {self.index}"):
+            return collectives.all_gather_into_tensor(values, self.master, group=self.group, async_op=True)
+
+    def unsummon(self, writeback: bool) -> Work | None:
+        """Leave :meth:`summon`: with ``writeback`` this rank's chunk of what the parameters hold
+        becomes its master chunk (exactly, in the master dtype), else the masters stay as they were.
+
+        A resident unit whose parameters may have changed then publishes again (returned: the
+        pending all-gather), so every rank computes with the owners' values cast to the compute
+        dtype, whatever a rank wrote outside its own chunk.
+        """
+        with torch.no_grad():
+            if self.aliased:
+                if self._kept is not None:
+                    self.master.copy_(self._kept)
+                self._kept = None
+                return self.publish()
+            values, self._summoned = self._summoned, None
+            assert values is not None, "unsummon without summon"
+            if writeback:
+                lo, hi = self.layout.chunk_range(self.rank)
+                self.master.copy_(values[lo:hi])
+            self._memory(-values.numel() * values.element_size())
+            if not self.resident:
+                self._empty_params()  # the next gather casts the masters
+                return None
+            self._point_params()
+            return self.publish() if writeback else None  # without writeback the compute copy is as it was
 
 
-__all__ = ["FlatParams"]
+def wait_all(works: Iterable[Work | None]) -> None:
+    """Consume ``works`` (each a started work or ``None``) to the end, then wait for each: all
+    start before the first wait."""
+    for work in [w for w in works if w is not None]:
+        work.wait()
+
+
+__all__ = ["FlatParams", "wait_all"]

@@ -328,6 +328,42 @@ def mixed_precision_case(rank: int, world: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         out[stage] = {"state": {k: v.numpy() for k, v in wrapped.full_state_dict(rank0_only=False).items()}, "dtypes": dtypes}
+        out[stage]["summon"] = summon_case(wrapped, rank, torch.bfloat16)  # after the state: it writes
+        # the same without mixed precision (stages 1, 2: the master chunk is a view of the parameters)
+        plain = ddp.ZeroDataParallel(build("uneven", MODEL_SEED + stage), stage=stage, bucket_cap_mb=TINY_MB)
+        out[f"{stage}-plain"] = {"summon": summon_case(plain, rank, torch.float64)}
+    return out
+
+
+def summon_case(wrapped: ddp.ZeroDataParallel, rank: int, compute: torch.dtype) -> dict[str, Any]:
+    """``summon_full_params`` on a trained model: what the block shows, and what stays after it
+    (the masters, by ``full_state_dict``; the compute copies, by a forward pass)."""
+    x = torch.randn(BATCH, 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def after() -> dict[str, Any]:
+        state = wrapped.full_state_dict(rank0_only=False)
+        with torch.no_grad():
+            got = wrapped(x.to(compute))
+            ref = build("uneven").to(next(iter(state.values())).dtype)  # the masters, cast as the wrapper casts them
+            ref.load_state_dict(state)
+            want = ref.to(compute)(x.to(compute))
+        return {"masters": {k: v.numpy() for k, v in state.items()}, "forward": got.float().numpy(), "cast_forward": want.float().numpy()}
+
+    out: dict[str, Any] = {"before": after()}
+    with wrapped.summon_full_params():
+        out["shown"] = {n: (str(p.dtype), p.detach().double().numpy().copy()) for n, p in wrapped.module.named_parameters()}
+    out["empty"] = after()
+    bias, weight = wrapped.module.net[0].bias, wrapped.module.net[2].weight
+    with torch.no_grad():
+        with wrapped.summon_full_params(writeback=False):
+            bias.fill_(5.0)
+        out["discarded"] = after()
+        with wrapped.summon_full_params():
+            bias.fill_(1 / 3)  # no bfloat16 holds it
+        out["written"] = after()
+        with wrapped.summon_full_params():
+            weight.fill_(float(rank))  # each rank writes something else: the ranks still agree after
+        out["per_rank"] = after()
     return out
 
 
@@ -447,6 +483,9 @@ def misuse_case(rank: int, world: int) -> dict[str, tuple[str, str]]:
     out["state_dict_unconsolidated"] = _error(lambda: opt.state_dict())
     out["comm_hook"] = _error(lambda: model.register_comm_hook(None, ddp.comm_hooks.allreduce_hook))
     out["join"] = _error(lambda: model.join())
+    with model.summon_full_params():
+        out["forward_in_summon"] = _error(lambda: model(x))
+        out["nested_summon"] = _error(lambda: model.summon_full_params().__enter__())
     model.module.net.add_module("late", nn.Linear(3, 3).double())  # a parameter added after wrapping
     out["added_param"] = _error(lambda: model(x))
 
@@ -643,6 +682,34 @@ def test_mixed_precision_tracks_float32_training(ckpt_dir: str) -> None:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("key", ["1", "2", "3", "1-plain", "2-plain", "3-plain"])
+def test_summon_full_params_keeps_the_masters(key: str, ckpt_dir: str) -> None:
+    """The block shows the masters (their dtype, unrounded); leaving it keeps them unless the block
+    wrote, and then exactly what was written; the compute copies follow the masters on every rank."""
+    ranks = [r["mp"][int(key[0]) if key.isdigit() else key]["summon"] for r in results_of("L2", ckpt_dir)]
+    res = ranks[0]
+    before = res["before"]["masters"]
+    for what in ("empty", "discarded"):  # nothing written (or not kept): the masters did not move
+        for k, v in before.items():
+            assert np.array_equal(res[what]["masters"][k], v), f"{key} {what}: master {k} changed by {np.abs(res[what]['masters'][k] - v).max()}"
+    for name, (dtype, value) in res["shown"].items():
+        assert dtype == f"torch.{before[name].dtype}", f"{key}: the block shows {name} in {dtype}, not the masters' dtype"
+        assert np.array_equal(value, before[name]), f"{key}: the block shows {name} rounded"
+    for what in ("empty", "discarded", "written", "per_rank"):
+        for r, other in enumerate(ranks):
+            for k, v in res[what]["masters"].items():
+                assert np.array_equal(other[what]["masters"][k], v), f"{key} {what}: rank {r}'s {k} differs from rank 0's"
+            assert np.array_equal(other[what]["forward"], res[what]["forward"]), f"{key} {what}: rank {r} computes otherwise"
+        # the parameters the module computes with are the masters, cast
+        assert np.array_equal(res[what]["forward"], res[what]["cast_forward"]), f"{key} {what}: compute copy is not the masters'"
+    written = res["written"]["masters"]
+    assert np.array_equal(written["net.0.bias"], np.full(13, 1 / 3, dtype=written["net.0.bias"].dtype)), key
+    for k, v in before.items():
+        if k != "net.0.bias":
+            assert np.array_equal(written[k], v), f"{key}: master {k} changed by writing another parameter"
+
+
+@pytest.mark.timeout(400)
 def test_memory_per_rank_by_tensor_accounting(ckpt_dir: str) -> None:
     ranks = results_of("L2", ckpt_dir)
     n = 2
@@ -735,6 +802,8 @@ def test_misuse_raises_clear_errors_on_every_rank(ckpt_dir: str) -> None:
         assert m["state_dict_unconsolidated"][0] == "RuntimeError" and "consolidate_state_dict" in m["state_dict_unconsolidated"][1]
         assert m["comm_hook"][0] == "RuntimeError" and m["join"][0] == "RuntimeError"
         assert m["added_param"][0] == "RuntimeError" and "net.late.weight" in m["added_param"][1]
+        assert m["forward_in_summon"][0] == "RuntimeError" and "inside summon_full_params" in m["forward_in_summon"][1]
+        assert m["nested_summon"][0] == "RuntimeError" and "no nesting" in m["nested_summon"][1]
         for stage in (2, 3):
             assert m[f"failed_backward_{stage}"][0] == "ValueError" and m[f"recovered_{stage}"][0] == "ok", m
         kind, message = m["divergent_unit"]  # the gather-order check, or the collectives' own mismatch check
