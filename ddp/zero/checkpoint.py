@@ -84,7 +84,8 @@ def load_sharded_state_dict(
     model: ZeroDataParallel, optimizer: ZeroRedundancyOptimizer | None, shards: list[dict[str, Any]]
 ) -> Any:
     """Load the files of every saved rank (``shards``) into ``model`` and ``optimizer``; returns the
-    ``extra`` saved with them. Collective (stages 1, 2 all-gather the loaded chunks)."""
+    ``extra`` saved with them. Collective (stages 1, 2 all-gather the loaded chunks of every unit,
+    frozen ones included)."""
     if not shards or any(s.get("format") != FORMAT for s in shards):
         raise ValueError(f"load_checkpoint: expected shards in format {FORMAT}")
     saved_n = shards[0]["world_size"]
@@ -110,7 +111,7 @@ def load_sharded_state_dict(
     buffers = shards[[s["rank"] for s in shards].index(0)]["buffers"]
     for name, b in model.module.named_buffers():
         b.copy_(buffers[name])
-    model.publish()
+    model.publish(frozen=True)  # every unit: a frozen one's full values come from the file too
     if optimizer is not None:
         _load_optimizer(optimizer, shards)
     return shards[[s["rank"] for s in shards].index(0)]["extra"]

@@ -53,11 +53,16 @@ class Uneven(nn.Module):
 
 
 class Frozen(Uneven):
-    """The first layer's weight never trains (but is sharded at stage 3, beside its bias)."""
+    """The first layer's weight never trains (but is sharded at stage 3, beside its bias); a buffer
+    scales the output."""
 
     def __init__(self) -> None:
         super().__init__()
         self.net[0].weight.requires_grad_(False)
+        self.register_buffer("scale", 1 + torch.rand(3))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        return self.net(x) * self.scale
 
 
 class Unused(nn.Module):
@@ -335,19 +340,28 @@ def mixed_precision_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def computed_with(wrapped: ddp.ZeroDataParallel, kind: str, compute: torch.dtype) -> dict[str, Any]:
+    """What ``wrapped`` holds on this rank: its masters and buffers (``full_state_dict``), its output
+    on a fixed batch, and the output of the plain model with those masters cast to ``compute``
+    (what the wrapper must compute with; buffers stay as they are)."""
+    x = torch.randn(BATCH, 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(compute)
+    state = wrapped.full_state_dict(rank0_only=False)
+    with torch.no_grad():
+        got = wrapped(x)
+        ref = build(kind)
+        ref.load_state_dict(state)  # float32 masters into float64: exact
+        for p in ref.parameters():
+            p.data = p.data.to(compute)
+        want = ref(x)
+    return {"masters": {k: v.numpy() for k, v in state.items()}, "forward": got.float().numpy(), "cast_forward": want.float().numpy()}
+
+
 def summon_case(wrapped: ddp.ZeroDataParallel, rank: int, compute: torch.dtype) -> dict[str, Any]:
     """``summon_full_params`` on a trained model: what the block shows, and what stays after it
-    (the masters, by ``full_state_dict``; the compute copies, by a forward pass)."""
-    x = torch.randn(BATCH, 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (:func:`computed_with`: the masters and what the module computes with)."""
 
     def after() -> dict[str, Any]:
-        state = wrapped.full_state_dict(rank0_only=False)
-        with torch.no_grad():
-            got = wrapped(x.to(compute))
-            ref = build("uneven").to(next(iter(state.values())).dtype)  # the masters, cast as the wrapper casts them
-            ref.load_state_dict(state)
-            want = ref.to(compute)(x.to(compute))
-        return {"masters": {k: v.numpy() for k, v in state.items()}, "forward": got.float().numpy(), "cast_forward": want.float().numpy()}
+        return computed_with(wrapped, "uneven", compute)
 
     out: dict[str, Any] = {"before": after()}
     with wrapped.summon_full_params():
@@ -398,7 +412,7 @@ def ckpt_case(c: dict[str, Any], rank: int, world: int, directory: str, load: st
     """Train ``c`` for CKPT_STEPS steps, saving at CKPT_AT into ``directory``; or (``load``) load that
     step's checkpoint from ``load`` and train the rest. Returns parameters at CKPT_AT and at the end."""
     kind = c["model"]
-    model = build(kind, MODEL_SEED + 1000 * rank)
+    model = build(kind, MODEL_SEED + 1000 * rank + (load is not None))  # loads into other values
     wrapped = ddp.ZeroDataParallel(model, stage=c["stage"], bucket_cap_mb=TINY_MB)
     cls, kw = OPTIMIZERS[c["opt"]]
     opt = ddp.ZeroRedundancyOptimizer(wrapped.parameters(), cls, **kw)
@@ -408,6 +422,7 @@ def ckpt_case(c: dict[str, Any], rank: int, world: int, directory: str, load: st
     if load is not None:
         start = ddp.zero.load_checkpoint(load, wrapped, opt)["step"]
         out["at"] = wrapped.full_state_dict(rank0_only=False)
+        out["computed"] = computed_with(wrapped, kind, torch.float64)
     for step in range(start, CKPT_STEPS):
         if load is None and step == CKPT_AT:
             ddp.zero.save_checkpoint(directory, wrapped, opt, extra={"step": step})
@@ -448,8 +463,18 @@ def reload_case(rank: int, world: int) -> dict[str, Any]:
     return {stage: {k: v.numpy() for k, v in model.full_state_dict(rank0_only=False).items()} for stage, (model, _) in zip((2, 3), runs)}
 
 
-CKPT_SAVE = case("ckpt-save", 2, opt="adamw")
-CKPT_FROM_4 = case("ckpt-from-4", 3, opt="adamw")
+def load_case(directory: str, stage: int, rank: int, compute: torch.dtype) -> dict[str, Any]:
+    """Load a checkpoint of the frozen model into a fresh one of another seed, at ``stage``
+    (computing in ``compute``): what this rank holds and computes with then."""
+    mp = None if compute == torch.float64 else ddp.MixedPrecision(param_dtype=compute)
+    model = build("frozen", MODEL_SEED + 1000 * rank + 1)
+    wrapped = ddp.ZeroDataParallel(model, stage=stage, bucket_cap_mb=TINY_MB, mixed_precision=mp)
+    ddp.zero.load_checkpoint(directory, wrapped)
+    return computed_with(wrapped, "frozen", compute)
+
+
+CKPT_SAVE = case("ckpt-save", 2, model="frozen", opt="adamw")
+CKPT_FROM_4 = case("ckpt-from-4", 3, model="frozen", opt="adamw")
 
 
 # ---------------------------------------------------------------------------- misuse
@@ -550,10 +575,15 @@ def worker(rank: int, world: int, launch: str, ckpt_dir: str) -> dict[str, Any]:
 def restart_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     """Fresh processes: continue from the world-2 checkpoint, and from the world-4 one."""
     torch.set_num_threads(1)
-    return {
-        "resumed": ckpt_case(CKPT_SAVE, rank, world, "", f"{ckpt_dir}/w2"),
-        "from_4": ckpt_case(CKPT_FROM_4, rank, world, "", f"{ckpt_dir}/w4"),
+    resumed = ckpt_case(CKPT_SAVE, rank, world, "", f"{ckpt_dir}/w2")
+    from_4 = ckpt_case(CKPT_FROM_4, rank, world, "", f"{ckpt_dir}/w4")
+    loaded = {  # saved at stage 2 by 2 ranks (w2) and at stage 3 by 4 (w4), loaded by 2
+        "w2-into-stage-2": resumed["computed"],
+        "w4-into-stage-3": from_4["computed"],
+        "w2-into-stage-1-bf16": load_case(f"{ckpt_dir}/w2", 1, rank, torch.bfloat16),
+        "w4-into-stage-2": load_case(f"{ckpt_dir}/w4", 2, rank, torch.float64),
     }
+    return {"resumed": resumed, "from_4": from_4, "loaded": loaded}
 
 
 # Spawning ranks costs seconds (more on a loaded machine), so there are three launches: 2 ranks
@@ -775,6 +805,22 @@ def test_checkpoint_restart_and_reshard(ckpt_dir: str) -> None:
         opt.zero_grad()
     names = [n for n, _ in model.named_parameters()]
     assert_close([restarted[0]["from_4"]["final"][n] for n in names], _np(model.parameters()), "4 ranks, then 2")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("load", ["w2-into-stage-2", "w4-into-stage-3", "w2-into-stage-1-bf16", "w4-into-stage-2"])
+def test_checkpoint_load_restores_every_parameter_and_buffer(load: str, ckpt_dir: str) -> None:
+    """Loaded into a model initialised with another seed: on every rank every parameter (the frozen
+    weight too) and buffer equals the saved one, and the module computes with them (cast to
+    bfloat16 under mixed precision)."""
+    saved = results_of("L2" if load.startswith("w2") else "L4", ckpt_dir)[0]["ckpt"]["at"]
+    ranks = [r["loaded"][load] for r in results_of("restart", ckpt_dir)]
+    for r, got in enumerate(ranks):
+        assert sorted(got["masters"]) == sorted(saved)
+        for k, v in saved.items():
+            assert np.array_equal(got["masters"][k], v), f"{load}: rank {r}'s {k} is not the saved one"
+        assert np.array_equal(got["forward"], got["cast_forward"]), f"{load}: rank {r} computes with other values than the loaded ones"
+        assert np.array_equal(got["forward"], ranks[0]["forward"]), f"{load}: rank {r} computes otherwise than rank 0"
 
 
 @pytest.mark.timeout(400)
