@@ -3,7 +3,15 @@
 A :class:`Group` wraps a torch process group (used for rendezvous and as the point-to-point wire)
 and adds what our collectives need: the backend (see :mod:`collectives.backends`), one engine per
 device, a FIFO communication queue, a timeout, a store private to the group, a host key per rank,
-and a "broken" flag set by the first communication failure.
+and a "broken" state set by the first communication failure.
+
+**After a failure.** The first :class:`~collectives.errors.CollectiveError` of a group (a dead or
+silent peer, a mismatch found by the wire check) breaks it: that call's waiter gets the error
+itself, and every call after it (queued before the failure or submitted later, from any thread)
+raises at once, before any traffic, ``<op>: group <name> is unusable after an earlier failure:
+<the first error>``. Work queued behind the failure therefore never waits out a deadline of its
+own, and :meth:`Group.close` on a broken group returns as soon as the call in flight (if any)
+has ended: at most one timeout.
 
 Backends are chosen by name (``backend=`` argument, or the ``RINGDDP_BACKEND`` environment
 variable; default ``auto``): ``p2p`` (alias ``gloo``), ``nccl-cupy`` (alias ``nccl``), ``torch``,
@@ -17,6 +25,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 import warnings
 from typing import Callable, Sequence
@@ -32,7 +41,7 @@ from .errors import CollectiveError, CollectiveTimeoutError, timeout_seconds
 from .mailbox import Mailbox
 from .transport.base import wait_for_keys
 from .tuning import Tuning
-from .work import Executor, Work
+from .work import Executor, Work, current_issuer, on_communication_thread
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +117,12 @@ class Group:
         debug.read_environment()  # the checking level: an unknown $RINGDDP_DEBUG raises here
         self.mailbox = Mailbox()
         self._executor = Executor(name)
-        self._broken: str | None = None
+        self._failure: CollectiveError | None = None  # the first communication failure
+        self._creator = threading.current_thread()  # its calls carry thread code 0 (collectives.wire)
         self._selected: dict[tuple[str, str], Backend] = {}
         self._engines: dict[tuple[str, torch.device], Engine] = {}
         self._by_device: dict[torch.device, Engine] = {}  # engine(device), once built
+        self._building = threading.RLock()  # one engine per key even when two threads ask at once
 
     @classmethod
     def from_store(
@@ -162,7 +173,24 @@ class Group:
     @property
     def broken(self) -> str | None:
         """Why the group is unusable (the first communication failure), or ``None``."""
-        return self._broken
+        return None if self._failure is None else str(self._failure)
+
+    def check_usable(self, op_name: str) -> None:
+        """Raise ``CollectiveError`` naming the first failure if the group is broken (module docstring)."""
+        first = self._failure
+        if first is not None:
+            raise CollectiveError(
+                f"{op_name}: group {self.name} is unusable after an earlier failure: {first}", op=op_name, peer=first.peer
+            )
+
+    def _issuer(self) -> int:
+        """The calling thread's code in the wire header (:func:`collectives.wire.thread_code`): 0
+        for the group's creator; on a communication thread (a future callback), the code of the
+        thread that issued the collective whose completion runs the callback."""
+        if on_communication_thread():
+            return current_issuer()
+        thread = threading.current_thread()
+        return 0 if thread is self._creator else wire.thread_code(thread.name)
 
     def group_rank(self, global_rank: int, what: str, op_name: str) -> int:
         """Map a global ``src``/``dst`` rank to this group, or raise ``ValueError``."""
@@ -201,16 +229,20 @@ class Group:
 
     def _select(self, name: str, device_type: str, op_name: str) -> Backend:
         key = (name, device_type)
-        if key not in self._selected:
-            self._selected[key] = select_backend(name, device_type, self, op_name)
-        return self._selected[key]
+        with self._building:
+            if key not in self._selected:
+                self._selected[key] = select_backend(name, device_type, self, op_name)
+            return self._selected[key]
 
     def _engine(self, backend: Backend, device: torch.device) -> Engine:
         key = (backend.name, device)
         engine = self._engines.get(key)
         if engine is None:
-            engine = self._engines[key] = backend.build(self, device)
-            log.debug("group %s: %s engine on %s", self.name, backend.name, device)
+            with self._building:  # two engines would set up two transports: the ranks could join different ones
+                engine = self._engines.get(key)
+                if engine is None:
+                    engine = self._engines[key] = backend.build(self, device)
+                    log.debug("group %s: %s engine on %s", self.name, backend.name, device)
         return engine
 
     def engine(self, device: torch.device, op_name: str = "engine") -> Engine:
@@ -220,7 +252,8 @@ class Group:
         """
         engine = self._by_device.get(device)
         if engine is None:
-            engine = self._by_device[device] = self._engine(self._select(self.backend, device.type, op_name), device)
+            with self._building:
+                engine = self._by_device[device] = self._engine(self._select(self.backend, device.type, op_name), device)
         return engine
 
     def metadata_engine(self) -> Engine:
@@ -253,7 +286,8 @@ class Group:
     ) -> Work | None:
         """Run ``fn`` on the group's FIFO queue (now, or on the communication thread if async).
 
-        Refuses to start on a broken group; a :class:`CollectiveError` inside ``fn`` breaks it.
+        Refuses to start on a broken group, when submitted and again when its turn comes (see the
+        module docstring); a :class:`CollectiveError` inside ``fn`` breaks it.
         At ``RINGDDP_DEBUG=DETAIL`` every rank's ``signature`` is compared first; while tracing, the
         call is recorded. ``result``: the output tensors, the value of the returned
         :class:`Work`'s future. ``algorithm`` and ``sizes`` (all-to-all: bytes to / from each
@@ -261,18 +295,17 @@ class Group:
         ``torch.no_grad()``: like torch's, collectives are not recorded by autograd, so tensors
         that require grad are accepted.
         """
-        if self._broken is not None:
-            raise CollectiveError(
-                f"{name}: group {self.name} is unusable after an earlier failure: {self._broken}", op=name
-            )
+        self.check_usable(name)
         label = trace.current_label()  # read on the submitting thread
         level = debug.level()
-        header = wire.header(signature, self.tuning, algorithm, sizes, level)
+        issuer = self._issuer()
+        header = wire.header(signature, self.tuning, algorithm, sizes, level, issuer)
 
         def run() -> None:
             tracer = trace.active()
             start = time.perf_counter_ns() if tracer is not None else 0
             try:
+                self.check_usable(name)  # it may have broken while this call was queued
                 self.mailbox.settle_shared()  # receives posted by irecv take their messages before ours
                 if level == "DETAIL":
                     self._check_agreement(signature, header)  # before the header: its own traffic
@@ -297,24 +330,26 @@ class Group:
         if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
             log.debug("%s on %s (rank %d)", debug.describe(signature), self.name, self._rank)
         if async_op:
-            return self._executor.submit(Work(name, result), run, True)
-        self._executor.call(name, run)  # inline when nothing is queued: no handle, no thread hop
+            return self._executor.submit(Work(name, result), run, True, issuer)
+        self._executor.call(name, run, issuer)  # inline when nothing is queued: no handle, no thread hop
         return None
 
     def enqueue(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
         """Run ``fn`` in the group's queue order, like :meth:`submit` but without the checks made
         for collectives (DETAIL agreement, wire header, trace span): user point-to-point posts
         its messages this way (``collectives/p2p.py``). ``work`` completes when ``fn`` has run;
-        a :class:`CollectiveError` inside ``fn`` breaks the group."""
+        it fails at once if the group broke before its turn, and a :class:`CollectiveError`
+        inside ``fn`` breaks the group."""
 
         def run() -> None:
             try:
+                self.check_usable(work.name)
                 fn()
             except CollectiveError as exc:
                 self.mark_broken(exc)
                 raise
 
-        return self._executor.submit(work, run, async_op)
+        return self._executor.submit(work, run, async_op, self._issuer())
 
     def _check_agreement(self, signature: debug.Signature, header: wire.Header | None) -> None:
         """DETAIL: all-gather the signature, with what the wire ``header`` compares besides, over
@@ -335,16 +370,20 @@ class Group:
 
     def mark_broken(self, error: CollectiveError) -> None:
         """Record the first communication failure; the group refuses further collectives."""
-        if self._broken is None:
-            self._broken = str(error)
+        if self._failure is None:
+            self._failure = error
             log.error("group %s is unusable after: %s", self.name, error)
 
     def close(self) -> None:
+        """Release the group: wait for its queue (on a broken group only the call in flight, if
+        any, takes time: the rest fail at once), stop its thread, close its engines (shared-memory
+        segments, connections)."""
         self._executor.close()
-        for engine in self._engines.values():
-            engine.close()
-        self._engines.clear()
-        self._by_device.clear()
+        with self._building:
+            for engine in self._engines.values():
+                engine.close()
+            self._engines.clear()
+            self._by_device.clear()
 
 
 def _exchange_hosts(store: dist.Store, rank: int, size: int, seconds: float) -> list[str]:

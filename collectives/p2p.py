@@ -162,11 +162,6 @@ def _wire(g: Group, tensor: torch.Tensor, name: str) -> Transport:
     return box.channels["cpu"]
 
 
-def _usable(g: Group, name: str) -> None:
-    if g.broken is not None:
-        raise CollectiveError(f"{name}: group {g.name} is unusable after an earlier failure: {g.broken}", op=name)
-
-
 # ---------------------------------------------------------------------------- posting
 
 
@@ -227,7 +222,7 @@ def _prepare(tensor, group, tag, what: str, rank, group_rank, name: str):
     peer, global_rank = g.peer(name, what, rank, group_rank)
     tag = _check_tag(tag, name)
     transport = _wire(g, tensor, name)
-    _usable(g, name)
+    g.check_usable(name)
     return g, peer, global_rank, tag, transport, P2PWork(name, g)
 
 
@@ -334,7 +329,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     if len(devices) != 1:
         raise ValueError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
     transport = _wire(g, p2p_op_list[0].tensor, name)
-    _usable(g, name)
+    g.check_usable(name)
     works = [P2PWork(name, g) for _ in p2p_op_list]
 
     def post() -> None:

@@ -13,7 +13,11 @@ collectives on the same group concurrently would be ordered by whichever thread 
 which differs from rank to rank, so the ranks would pair different collectives (mixing each
 other's data). :meth:`Executor.submit` refuses, with a ``RuntimeError`` saying what to do, a call
 from a second thread while another thread's calls are still queued or running. Use a group per
-thread (``new_group``), or hand the calls to one thread.
+thread (``new_group``), or hand the calls to one thread. The refusal is local, and the ranks may
+refuse different threads (each lets run whichever came first); what keeps that from pairing one
+thread's call with another's is the wire check, whose header names the issuing thread
+(:mod:`collectives.wire`, *Threads*): such a pair is a mismatch, and the group breaks on both
+ranks.
 
 The communication thread runs at a lower scheduling priority than the process (``nice`` + 5 by
 default, ``$RINGDDP_COMM_NICE`` to change, 0 to keep the process's), as ``SCHED_BATCH`` (from
@@ -28,13 +32,27 @@ all-reduce behind a 16 MiB one took 18-48 µs or 170-190 µs, run to run; niced,
 every run, steps unchanged; with nothing in flight, niced only, 27-54 µs medians; also
 ``SCHED_BATCH``, 18-33 µs, steps unchanged: docs/DESIGN.md).
 
-Future callbacks may issue collectives, and wait for them. ``Work.get_future()`` callbacks run on
-the thread that completes the work, usually the communication thread, right after the collective;
-a collective issued there runs at once, inline, before the queue moves on (were it queued, the
-thread would wait on work queued behind itself). So every rank issues it at the same point of
-its sequence, right after the collective whose completion ran the callback, and the ranks pair
-it alike whatever their main threads have queued meanwhile. torch's PowerSGD comm hook chains
-collectives this way.
+Future callbacks may issue collectives, and wait for them. Where such a collective falls in
+the group's order depends on when the callback was attached (``then``):
+
+* **before the work completed** (the usual case: ``work.get_future().then(cb)`` right after the
+  async call): the callback runs on the thread that completes the work, usually the
+  communication thread, right after the collective; a collective issued there runs at once,
+  inline, before the queue moves on (were it queued, the thread would wait on work queued behind
+  itself). It follows the collective whose completion ran the callback, whatever the caller's
+  thread has queued meanwhile.
+* **after the work completed**: torch runs the callback at once, on the attaching thread, and
+  its collective takes that thread's next place in the queue, behind anything the thread issued
+  on the group since the work.
+
+Both give the same order on every rank when nothing is issued on the group between the work and
+attaching its callback (attach it right after the call, as torch's DDP comm hooks and PowerSGD
+do); then it does not matter that the work finished before the attachment on some ranks and after
+it on others. Issue a collective in between and the ranks may order the chained call differently:
+the wire check then raises on both sides if the two calls differ in anything it compares, and
+pairs them silently if they are alike. A chained collective carries the issuing thread of the
+work whose completion ran it (:func:`current_issuer`), so in either case it counts as the
+caller's thread's (see :mod:`collectives.wire`, *Threads*).
 """
 
 from __future__ import annotations
@@ -56,6 +74,7 @@ class _Role(threading.local):
     # a class default: getattr with a default on a missing attribute raises and catches an
     # AttributeError inside, ~0.3 µs warm and ~8 µs when the call comes with cold caches
     background = False
+    issuer = 0  # on a communication thread: the wire's thread code of the item it runs
 
 
 _thread_role = _Role()
@@ -112,6 +131,12 @@ def on_communication_thread() -> bool:
     """Whether this thread is a group's communication thread (it runs async collectives in the
     background, so its waits should give the core to the caller's compute soon)."""
     return _thread_role.background
+
+
+def current_issuer() -> int:
+    """On a communication thread: the ``issuer`` given with the item it runs (and completes, so
+    also inside the completion's future callbacks); 0 elsewhere."""
+    return _thread_role.issuer
 
 
 class Work:
@@ -209,7 +234,7 @@ class Executor:
 
     def __init__(self, name: str):
         self._name = name
-        self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
+        self._queue: collections.deque[tuple[Work, Callable[[], None], int]] = collections.deque()
         self._mutex = threading.Lock()  # guards the fields below
         self._busy = False
         # The communication thread sleeps by acquiring _bell, held while it is awake; whoever
@@ -225,10 +250,12 @@ class Executor:
         self._owner: int | None = None  # ident of the thread whose calls are queued or running
         self._nice = comm_nice()  # read here, on the caller's thread: a bad value raises to the caller
 
-    def submit(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
+    def submit(self, work: Work, fn: Callable[[], None], async_op: bool, issuer: int = 0) -> Work:
         """Run ``fn`` in queue order; ``work`` completes when it has run (``async_op``: on the
         communication thread, and this returns at once). Called from the communication thread
-        itself (a future callback), ``fn`` runs at once: see the module docstring."""
+        itself (a future callback), ``fn`` runs at once: see the module docstring. ``issuer``:
+        what :func:`current_issuer` answers on the communication thread while it runs ``fn`` and
+        completes ``work``."""
         if threading.get_ident() == self._thread_id:
             try:
                 self._inline(fn, work, nested=True)
@@ -239,12 +266,12 @@ class Executor:
         if not async_op and self._enter(work.name):
             self._inline(fn, work)
             return work
-        self._enqueue(work, fn)
+        self._enqueue(work, fn, issuer)
         if not async_op:
             work.wait()
         return work
 
-    def call(self, name: str, fn: Callable[[], None]) -> None:
+    def call(self, name: str, fn: Callable[[], None], issuer: int = 0) -> None:
         """Run ``fn`` synchronously in queue order: on this thread when nothing is queued (no
         handle, no thread hop), else behind the pending work."""
         if threading.get_ident() == self._thread_id:  # a future callback: now (module docstring)
@@ -253,7 +280,7 @@ class Executor:
             self._inline(fn, None)
         else:
             work = Work(name)
-            self._enqueue(work, fn)
+            self._enqueue(work, fn, issuer)
             work.wait()
 
     def _enter(self, name: str) -> bool:
@@ -287,12 +314,12 @@ class Executor:
                     if self._queue:
                         self._ring()
 
-    def _enqueue(self, work: Work, fn: Callable[[], None]) -> None:
+    def _enqueue(self, work: Work, fn: Callable[[], None], issuer: int) -> None:
         with self._mutex:
             if self._closed:
                 raise RuntimeError(f"{work.name}: the group was destroyed")
             self._check_thread(work.name)
-            self._queue.append((work, fn))
+            self._queue.append((work, fn, issuer))
             self._ensure_thread()
             self._ring()
 
@@ -333,7 +360,7 @@ class Executor:
                 elif not self._queue:
                     return  # closed, and nothing left
                 else:
-                    work, fn = self._queue.popleft()
+                    work, fn, _thread_role.issuer = self._queue.popleft()
                     self._busy = True
             if sleep:
                 self._bell.acquire()  # returns at once if _ring came first

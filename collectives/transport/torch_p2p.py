@@ -120,9 +120,8 @@ class TorchP2PTransport(Transport):
             diffs = wire.compare(mine, theirs)
             if diffs:
                 mismatch = CollectiveError(
-                    f"{self.op}: rank {peer} called a different collective (wire check, RINGDDP_DEBUG=CHECK). "
-                    f"This rank ({self.rank}) called {wire.describe(mine)}; rank {peer} called "
-                    f"{wire.describe(theirs)}; they differ in {', '.join(diffs)}. Every rank must issue the "
+                    f"{self.op}: rank {peer} called a different collective (wire check, RINGDDP_DEBUG=CHECK): "
+                    f"{wire.disagreement(self.rank, mine, peer, theirs)}. Every rank must issue the "
                     "same collectives in the same order with matching dtype, size, op, root, algorithm and "
                     "Tuning. No payload was delivered, but this group is unusable now",
                     op=self.op,

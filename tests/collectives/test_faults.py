@@ -3,10 +3,13 @@ than 3 ranks), and the launcher's grace period for the other ranks."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -238,3 +241,110 @@ def test_with_checks_off_a_mismatch_times_out_instead_of_killing_a_rank(monkeypa
         assert "timed out" in message or f"recv from rank {peer} failed" in message, message
     assert any("timed out" in message for _, _, message in results), results
     assert time.monotonic() - started > 5.0  # at the deadline, not before
+
+
+# ---------------------------------------------------------------------------- work queued behind a failure
+
+QUEUED = 6  # async calls queued at once behind the one that meets the fault
+
+
+def _queue_all_reduces(group, payload: torch.Tensor) -> list:
+    """:data:`QUEUED` async all-reduces; a call submitted after the group broke raises at once
+    (then its error stands in for the handle's)."""
+    handles = []
+    for _ in range(QUEUED):
+        try:
+            handles.append(collectives.all_reduce(payload.clone(), group=group, async_op=True))
+        except CollectiveError as exc:
+            handles.append(exc)
+    return handles
+
+
+def _errors(handles: list) -> list:
+    errors = [h if isinstance(h, BaseException) else h.exception() for h in handles]
+    return [(type(e).__name__, e.op, e.peer, str(e)) for e in errors]
+
+
+def queued_behind_a_failure(rank: int, world_size: int, fault: str, timeout: float, backend: str, out: str) -> None:
+    """Rank 0 queues :data:`QUEUED` async all-reduces on a group whose other member (rank 1) is
+    then stopped (SIGSTOP) or dead (SIGKILL), and closes the group without waiting; then the
+    same through torch's DDP on a ``"ringddp"`` group with rank 2 (a backward whose buckets are
+    queued), and ``destroy_process_group`` of it. Ranks 1 and 2 only warm their groups up. Rank
+    0 writes what it saw to ``out`` (JSON) and kills the others."""
+    import json
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    pids = [None] * world_size
+    collectives.all_gather_object(pids, os.getpid())
+    ours = collectives.new_group([0, 1], timeout=timeout)
+    theirs = torch.distributed.new_group([0, 2], backend="ringddp", timeout=datetime.timedelta(seconds=timeout),
+                                         pg_options=collectives.torch_backend.Options(backend=backend))
+    payload = torch.ones(1 << 16)
+    if rank in (0, 1):
+        collectives.all_reduce(payload.clone(), group=ours)  # set-up done before the fault
+    if rank in (0, 2):
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(QUEUED)))
+        model = DistributedDataParallel(layers, process_group=theirs, bucket_cap_mb=0.01)  # a bucket per layer
+        model(torch.ones(4, 64)).sum().backward()
+        loss = model(torch.ones(4, 64)).sum()  # forward's own traffic (bucket rebuild) before the fault
+    collectives.barrier()
+    if rank != 0:
+        time.sleep(300)  # stopped or killed by rank 0 long before
+        return
+    sig = signal.SIGSTOP if fault == "stopped" else signal.SIGKILL
+    os.kill(pids[1], sig)
+    started = time.monotonic()
+    handles = _queue_all_reduces(ours, payload)
+    ours.close()
+    report = {"ours": {"close_s": time.monotonic() - started, "errors": _errors(handles)}}
+    report["ours"]["threads"] = [t.name for t in threading.enumerate() if t.name == f"ringddp-{ours.name}"]
+    os.kill(pids[2], sig)
+    started = time.monotonic()
+    try:
+        loss.backward()
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    failed = time.monotonic()
+    torch.distributed.destroy_process_group(theirs)
+    report["ddp"] = {"message": message, "backward_s": failed - started, "destroy_s": time.monotonic() - failed}
+    with open(out, "w") as f:
+        json.dump(report, f)
+    for pid in pids[1:]:
+        if leaks.alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses SIGSTOP and SIGKILL")
+@pytest.mark.parametrize("backend", ["shm", "p2p"])
+def test_work_queued_behind_a_failure_fails_at_once_with_the_first_error(tmp_path, backend):
+    """Group docstring, *after a failure*: with a stopped or a dead peer and several async calls
+    queued, the first call's waiter gets the failure itself and every queued call fails at once
+    naming it (never a fresh deadline each, never a later error that hides the cause), so
+    closing the group (our API) or destroying it (torch's DDP on ``"ringddp"``) takes at most
+    one deadline; the group's thread is gone afterwards."""
+    timeout = 3.0
+    for fault in ("stopped", "dead"):
+        out = tmp_path / f"{fault}.json"
+        with pytest.raises(collectives.LaunchError):  # rank 0 kills ranks 1 and 2 at the end
+            collectives.launch(queued_behind_a_failure, 3, fault, timeout, backend, str(out), backend=backend, timeout=30,
+                               join_timeout=150)
+        report = json.loads(out.read_text())
+        ours = report["ours"]
+        (kind, op, peer, first), *rest = ours["errors"]
+        if fault == "stopped":
+            assert kind == "CollectiveTimeoutError", first
+        assert kind.startswith("Collective") and op == "all_reduce" and peer == 1, first
+        assert "unusable" not in first, first
+        for kind, op, _, message in rest:
+            assert (kind, op) == ("CollectiveError", "all_reduce"), message
+            assert message.endswith(f"is unusable after an earlier failure: {first}"), (message, first)
+        # before: a queued call met the stopped peer afresh, each waiting its own deadline
+        assert ours["close_s"] < timeout + 3.0, (fault, ours["close_s"])
+        assert ours["threads"] == [], ours["threads"]
+        ddp = report["ddp"]
+        assert "all_reduce" in ddp["message"] and "unusable" not in ddp["message"], ddp["message"]
+        assert ddp["backward_s"] < timeout + 3.0 and ddp["destroy_s"] < 1.0 + 2.0, (fault, ddp)

@@ -257,6 +257,71 @@ def test_second_thread_while_calls_are_queued_is_refused(pools):
     assert "worker-2" in message and "MainThread" in message and "one thread" in message and "new_group" in message, message
 
 
+def two_threads_race(rank, world_size, backend, rounds):
+    """``rounds`` times, on a fresh group: two threads, each 200 blocking all-reduces of 1,000
+    floats (one adds 1.0, the other 1000.0), started together. Which thread a rank refuses
+    differs from rank to rank and run to run; what each thread saw, by round."""
+    import logging
+
+    logging.getLogger("collectives.group").setLevel(logging.CRITICAL)
+    seen = []
+    for _ in range(rounds):
+        group = _subgroup(backend)
+        collectives.barrier()
+        start = threading.Barrier(2)
+        outcome: dict[str, dict] = {}
+
+        def worker(value: float) -> None:
+            mine = outcome[threading.current_thread().name] = {"results": set(), "errors": []}
+            start.wait()
+            for _ in range(200):
+                t = torch.full((1000,), value)
+                try:
+                    collectives.all_reduce(t, group=group)
+                except (RuntimeError, collectives.CollectiveError) as exc:
+                    mine["errors"].append(f"{type(exc).__name__}: {exc}")
+                    if len(mine["errors"]) == 3:
+                        return
+                else:
+                    mine["results"].update(t.unique().tolist())
+
+        threads = [threading.Thread(target=worker, args=(v,), name=f"adds {v:g}") for v in (1.0, 1000.0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seen.append(outcome)
+        group.close()
+    return seen, _healthy()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["shm", "p2p"])
+def test_two_threads_on_one_group_never_give_a_wrong_sum(pools, backend):
+    """Two threads of each rank call collectives on one group at once (a misuse): whichever
+    thread each rank lets run, no call returns a sum of the two threads' data. When the ranks
+    paired different threads, the wire check (the header names the issuing thread) breaks the
+    group on both ranks, and every later call, from either thread, names that first error.
+    (Before the header named the thread, about half of such runs returned 1001.0.)"""
+    rounds = 12
+    outcomes = pools(W).run(two_threads_race, backend, rounds)
+    paired_apart = 0
+    for rank, (seen, healthy) in enumerate(outcomes):
+        assert healthy
+        for outcome in seen:
+            for name, got in outcome.items():
+                right = 2 * float(name.split()[1])
+                assert got["results"] <= {right}, (rank, name, got)  # never 1001.0
+                broken = [m for m in got["errors"] if m.startswith("CollectiveError")]  # the rest: refusals
+                if broken:
+                    first, *later = broken
+                    paired_apart += "differ in thread" in first
+                    assert "differ in thread" in first and "'adds 1'" in first and "'adds 1000'" in first, first
+                    assert all("unusable after an earlier failure" in m and first.split(": ", 1)[1] in m
+                               for m in later), (rank, name, later)
+    print(f"{backend}: {paired_apart} thread(s) met the wire check's thread mismatch in {rounds} rounds")
+
+
 # ---------------------------------------------------------------------------- cross-rank mismatches
 #
 # Every case runs in a fresh 2-rank subgroup (a mismatch leaves its group unusable), so many cases

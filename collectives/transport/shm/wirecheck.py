@@ -165,15 +165,15 @@ class WireCheck:
             what = f"rank {q} is running a different collective or size than this rank (rank {self.rank})"
         else:
             theirs, mine = self._header_of(q), self._mine(q)
-            what = f"this rank ({self.rank}) called {wire.describe(torch.tensor(mine))}; rank {q} called "
-            diffs = wire.compare(mine, theirs) if theirs is not None else []
-            if diffs:
-                what += f"{wire.describe(torch.tensor(theirs))}; they differ in {', '.join(diffs)}"
-            elif theirs is not None:  # equal headers, different pieces (symmetric memory on one rank, offsets)
-                what += "the same; yet their pieces say they ran a different collective or size (a tensor in "
-                what += "symmetric memory on some ranks only, or at different offsets in it)"
+            if theirs is not None and wire.compare(mine, theirs):
+                what = wire.disagreement(self.rank, mine, q, theirs)
             else:
-                what += "another collective"
+                what = f"this rank ({self.rank}) called {wire.describe(torch.tensor(mine))}; rank {q} called "
+                if theirs is not None:  # equal headers, different pieces (symmetric memory on one rank, offsets)
+                    what += "the same; yet their pieces say they ran a different collective or size (a tensor in "
+                    what += "symmetric memory on some ranks only, or at different offsets in it)"
+                else:
+                    what += "another collective"
         op = self._transport.op
         return CollectiveError(
             f"{op}: rank {q} called a different collective (wire check): {what}. Every rank must "
