@@ -39,14 +39,25 @@ training loop issuing the op repeatedly sees; both modes treat every column alik
 tags but no header exchange, :mod:`collectives.wire`), interleaved with the others, and the column
 ``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
 (``RINGDDP_DEBUG``, default CHECK).
+
+``--placement ROUNDS`` runs instead a placement report for the shared-memory transport (2 ranks):
+each round puts both ranks on one CPU, gives them their affinity masks back, runs 100 all-reduces
+of 4 KiB back to back and records where each rank ended, whether its mask is the one it had, and
+the moves its waits made off the peer's CPU (:class:`~collectives.transport.shm.waiting.Moves`).
+It prints in how many rounds the ranks ended apart, which is the scheduler's as much as ours (on
+an idle 2-core VM all of them; with eight ``yes > /dev/null`` beside it, 3-10 of 10), the moves,
+and the load average; it fails (exit 1) only on what is ours alone: a mask left changed, or a
+move made on a peer's word older than ``CPU_FRESH``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import contextlib
+import ctypes
+import json
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -66,6 +77,8 @@ from .group import get_default_group, new_group
 from .launch import launch
 from .sizes import human_size, parse_size
 from .topology import Layout
+from .transport.shm import ShmTransport
+from .transport.shm.waiting import CPU_FRESH, MOVE_INTERVAL
 
 log = logging.getLogger(__name__)
 
@@ -432,6 +445,49 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def placement_rank(rank: int, n: int, rounds: int) -> list[dict]:
+    """One rank of ``--placement`` (module doc), over the default group's shm transport: per
+    round, the CPU this rank ended on, whether its affinity mask is the one it had, the moves its
+    waits made in the round and the age (s) of the oldest peer's word any of its moves acted on."""
+    current_cpu = ctypes.CDLL(None).sched_getcpu
+    mask = os.sched_getaffinity(0)
+    t = torch.ones(1024)
+    collectives.all_reduce(t)  # sets the transport up
+    transport = get_default_group().engine(t.device, "placement").transport
+    if not isinstance(transport, ShmTransport):
+        raise ValueError(f"--placement needs the shm transport, this group runs {type(transport).__name__}")
+    rows = []
+    for _ in range(rounds):
+        collectives.barrier()
+        time.sleep(MOVE_INTERVAL)  # the barrier's waits may have moved a rank: a round starts past the interval
+        before = transport.moves.count
+        os.sched_setaffinity(0, {min(mask)})
+        os.sched_setaffinity(0, mask)
+        for _ in range(100):
+            collectives.all_reduce(t)
+        moves = transport.moves
+        rows.append({"cpu": current_cpu(), "mask_kept": os.sched_getaffinity(0) == mask,
+                     "moves": moves.count - before, "oldest_word_s": moves.oldest_word})
+    return rows
+
+
+def placement(rounds: int) -> int:
+    """``--placement``: run :func:`placement_rank` on 2 ranks over shm and print the report."""
+    per_rank = launch(placement_rank, 2, rounds, backend="shm", log_level=logging.WARNING)
+    apart = sum(a["cpu"] != b["cpu"] for a, b in zip(*per_rank))
+    kept = all(r["mask_kept"] for rows in per_rank for r in rows)
+    oldest = max(r["oldest_word_s"] for rows in per_rank for r in rows)
+    moved = [sum(r["moves"] > 0 for r in rows) for rows in per_rank]
+    print(f"placement, 2 ranks over shm: both put on one CPU, masks given back, 100 all-reduces of 4 KiB; "
+          f"{rounds} rounds (load average {os.getloadavg()[0]:.1f})")
+    print(f"  ranks apart at the end of {apart} of {rounds} rounds")
+    print(f"  rounds in which a rank moved itself off its peer's CPU: rank 0 {moved[0]}, rank 1 {moved[1]} "
+          f"({sum(r['moves'] for rows in per_rank for r in rows)} moves, on peer words at most "
+          f"{oldest * 1e6:.0f} us old)")
+    print(f"  affinity masks as they were: {'yes' if kept else 'NO'}")
+    return 0 if kept and oldest <= CPU_FRESH else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m collectives.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="p2p", type=backend_argument,
@@ -474,10 +530,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timing", default="barrier", choices=("barrier", "loop"),
                    help="barrier: one call after each barrier, input restored (default); loop: nccl-tests style, "
                         "8 MiB / size calls (1-50) back to back after one barrier and up to 5 untimed ones, their mean")
+    p.add_argument("--placement", type=int, metavar="ROUNDS",
+                   help="instead of timing: where 2 ranks over shm end up after being put on one CPU, ROUNDS "
+                        "times (module doc)")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.placement is not None:
+        if args.placement < 1 or len(os.sched_getaffinity(0)) < 2:
+            p.error("--placement: ROUNDS must be at least 1, and this process's affinity mask must hold two CPUs")
+        return placement(args.placement)
     ops = list(OPS) if args.ops == "all" else args.ops.split(",")
     bad = [o for o in ops if o not in OPS] + [d for d in args.dtypes.split(",") if d not in DTYPES]
     if bad:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -65,6 +66,20 @@ def test_bench_rejects_unknown_ops(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--ops", "all_reduce,allreduce"])
     assert "allreduce" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_bench_placement_report(capsys):
+    """``--placement``: where two shm ranks put on one CPU ended, and the moves; it fails only on
+    what is ours (a mask left changed, a move on a stale word), never on where the scheduler put them."""
+    assert bench.main(["--placement", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks apart at the end of" in out and "of 2 rounds" in out, out
+    assert "rank 0 0," in out and "affinity masks as they were: yes" in out, out
+    with pytest.raises(SystemExit):
+        bench.main(["--placement", "0"])
+    assert "ROUNDS must be at least 1" in capsys.readouterr().err
 
 
 def _wrong_counts(rank, world_size):

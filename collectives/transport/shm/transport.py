@@ -29,7 +29,7 @@ from .fifo import Fifos
 from .regions import Regions
 from .rendezvous import Rendezvous, machine
 from .segment import Segments
-from .waiting import Waiter, spin_times
+from .waiting import Moves, Waiter, spin_times
 from .wirecheck import WireCheck
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,11 @@ class ShmTransport(Transport):
         if not self._ready():
             return self._p2p.irecv(tensor, peer)  # type: ignore[union-attr]
         return self._fifos.queue(tensor, peer, "recv")  # type: ignore[union-attr]
+
+    @property
+    def moves(self) -> Moves:
+        """How often this rank's blocking waits moved it off a peer's CPU (:class:`.waiting.Moves`)."""
+        return self._waiter.moves if self._waiter is not None else Moves(0, 0.0)
 
     def shared_regions(self) -> SharedRegions | None:
         return self._regions if self._ready() else None

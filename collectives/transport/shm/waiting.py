@@ -33,6 +33,9 @@ ignored because the kernel moves ranks meanwhile: trusting them, a rank whose pe
 waited on its CPU, tens of ms before (the bench's gloo calls in between), "moved away" onto the
 CPU the peer had moved to, and the two shared a core for the rest of the sample (3 of 12
 samples of 50 calls after 50 of gloo's, 87 µs a call there; none with the freshness check).
+Where the ranks end up stays the scheduler's: with every CPU busy it has nowhere to keep them
+apart. The waiter counts its moves (:class:`Moves`); ``python -m collectives.bench --placement``
+reports both.
 
 The same sockets report a dead peer (EOF: the kernel closes them when a process dies, even by
 SIGKILL), and ``poll`` carries the group's deadline, so a stopped peer gives a
@@ -48,7 +51,7 @@ import os
 import select
 import socket
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from ...errors import CollectiveError, CollectiveTimeoutError
 from ...work import on_communication_thread
@@ -103,6 +106,16 @@ def spin_times(spin_seconds: float | None, world_size: int) -> tuple[float, floa
     return spin, min(spin, BUSY_SPIN) if own_core else 0.0
 
 
+class Moves(NamedTuple):
+    """What :meth:`Waiter._keep_apart` did so far: ``count`` moves off a peer's CPU, and the
+    age in seconds of the oldest peer's word one of them acted on (at most :data:`CPU_FRESH`).
+    Where the ranks end up is the scheduler's; these are ours (``collectives.bench --placement``
+    reports both)."""
+
+    count: int
+    oldest_word: float
+
+
 def nobody() -> tuple[Peer, ...]:
     """For :meth:`Waiter.wait`: the wait needs no rank's progress but its ``peer``'s."""
     return ()
@@ -142,6 +155,7 @@ class Waiter:
             bool(self._busy_spin) and _current_cpu is not None and max(os.sched_getaffinity(0)) < CPU_MASK
         )
         self._next_move = 0.0
+        self.moves = Moves(0, 0.0)
         self._check_peers = check_peers
         self._dead: set[Peer] = set()
         self._poll = select.poll()
@@ -249,6 +263,8 @@ class Waiter:
             return
         os.sched_setaffinity(0, mask)  # ... and does not move it back: nothing stays pinned
         words[self.rank][CPU] = stamp | (free[0] + 1)
+        age = ((stamp >> CPU_BITS) - (theirs >> CPU_BITS)) * 1e-6
+        self.moves = Moves(self.moves.count + 1, max(self.moves.oldest_word, age))
 
     def _drain(self, q: Peer) -> None:
         """Read the wake-up bytes ``q`` sent; on EOF or a reset, count ``q`` dead."""
