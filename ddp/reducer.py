@@ -6,8 +6,8 @@ registers one hook per parameter; every hook call lands here. The Reducer owns t
 * :class:`Bucket`: one flat buffer per bucket and the views of its parameters' gradients in it;
   it copies a gradient into its slot (:meth:`Bucket.fill`) and the reduced values back to
   ``.grad`` (:meth:`Bucket.write_back`);
-* a :class:`_Pass` per synchronised backward pass, made by its first hook and dropped by the
-  end-of-backward callback: which gradients arrived, each bucket's count of missing gradients and
+* a :class:`_Pass` per synchronised backward pass, made by its first hook (or
+  :meth:`Reducer.arrive_unused`) and dropped by the end-of-backward callback: which gradients arrived, each bucket's count of missing gradients and
   its reduction in flight (:class:`_Reduction`), which bucket is next to launch, timings. Nothing
   about a pass outlives it, so a pass that raised cannot leak into the next;
 * the comm hook: by default a bucket is reduced with ``all_reduce(AVG, async_op=True)``; with
@@ -282,11 +282,12 @@ class _Reduction:
 class _Pass:
     """The state of one synchronised backward pass: made at its first hook, dropped at its end."""
 
-    __slots__ = ("task", "arrived", "reductions", "next_launch", "t_start", "t_first_launch")
+    __slots__ = ("task", "arrived", "unreached", "reductions", "next_launch", "t_start", "t_first_launch")
 
     def __init__(self, buckets: Sequence[Bucket], n_params: int, task: int):
         self.task = task  # autograd graph task id: tells a new backward from this one
         self.arrived = [False] * n_params
+        self.unreached: list[int] = []  # arrived through arrive_unused, without a gradient
         self.reductions = [_Reduction(b) for b in buckets]
         self.next_launch = 0  # index of the first bucket not launched yet
         self.t_start = time.perf_counter()
@@ -393,6 +394,40 @@ class Reducer:
         self._used[index] = True
         if not sync:
             return
+        if self._current_pass().arrived[index]:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {self.names[index]} received its gradient twice in one "
+                "backward pass (reentrant checkpointing, a second backward inside the first, or, with "
+                "find_unused_parameters at ZeRO stage 3, a gradient the last forward's outputs did not lead to?); "
+                "not supported"
+            )
+        grad = self.params[index].grad
+        if grad is None:  # cannot happen for a post-accumulate hook, but be explicit
+            raise RuntimeError(f"DistributedDataParallel: hook of {self.names[index]} fired without a gradient")
+        if grad.is_sparse:
+            raise RuntimeError(f"DistributedDataParallel: parameter {self.names[index]} has a sparse gradient; not supported")
+        self._arrive(index)
+
+    @torch.no_grad()
+    def arrive_unused(self, indices: Sequence[int], sync: bool) -> None:
+        """Count parameters ``indices`` as arrived now: this backward pass will not reach them.
+
+        For a caller that knows it before the end of the pass (ZeRO stage 3 walks the forward's
+        autograd graph): their slots get zeros (or what ``no_sync`` accumulated in ``.grad``) at
+        once, so their buckets launch when the used parameters' gradients are in, at the same point
+        of the pass as on the ranks that used them, instead of at its end. They stay unused for
+        ``find_unused_parameters``' "used anywhere" flags. Parameters already arrived are skipped.
+        """
+        if not sync:
+            return
+        p = self._current_pass()
+        for i in indices:
+            if not p.arrived[i]:
+                p.unreached.append(i)
+                self._arrive(i)
+
+    def _current_pass(self) -> _Pass:
+        """The pass of the running backward; the first hook of a backward pass makes it."""
         task = torch._C._current_graph_task_id()
         if self._pass is not None and self._pass.task != task:
             log.warning("the previous backward pass ended without its gradient reduction (did it raise?); resetting")
@@ -401,17 +436,7 @@ class Reducer:
             self._pass = _Pass(self.buckets, len(self.params), task)
             self._passes += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        if self._pass.arrived[index]:
-            raise RuntimeError(
-                f"DistributedDataParallel: parameter {self.names[index]} received its gradient twice in one "
-                "backward pass (reentrant checkpointing or a second backward inside the first?); not supported"
-            )
-        grad = self.params[index].grad
-        if grad is None:  # cannot happen for a post-accumulate hook, but be explicit
-            raise RuntimeError(f"DistributedDataParallel: hook of {self.names[index]} fired without a gradient")
-        if grad.is_sparse:
-            raise RuntimeError(f"DistributedDataParallel: parameter {self.names[index]} has a sparse gradient; not supported")
-        self._arrive(index)
+        return self._pass
 
     def _arrive(self, index: int) -> None:
         """Put parameter ``index``'s gradient into its bucket; launch whatever became launchable."""
@@ -474,7 +499,7 @@ class Reducer:
                 first_launch_s=(p.t_first_launch - p.t_start) if p.t_first_launch else 0.0,
                 backward_s=t_end - p.t_start,
                 wait_s=t_done - t_wait,
-                unused_params=tuple(self.names[i] for i in unused),
+                unused_params=tuple(self.names[i] for i in sorted(unused + p.unreached)),
             )
         finally:
             self._pass = None

@@ -60,9 +60,10 @@ rounding.
 
 Limits: ``join()`` and comm hooks are stage-0 only; dense floating-point parameters; at stage 3
 every rank must run the same units in the same order (the gather order is checked at the end of
-every backward pass: a rank-dependent branch raises on every rank), parameters are empty tensors
-outside forward and backward (use :meth:`ZeroDataParallel.summon_full_params`), and a unit's
-parameters must only be used inside its own ``forward``.
+every backward pass: a rank-dependent branch raises on every rank; a parameter that a unit uses on
+some ranks only needs ``find_unused_parameters=True``, see ``schedule.py``), parameters are empty
+tensors outside forward and backward (use :meth:`ZeroDataParallel.summon_full_params`), and a
+unit's parameters must only be used inside its own ``forward``.
 """
 
 from __future__ import annotations
@@ -316,7 +317,9 @@ class ZeroDataParallel(DistributedDataParallel):
                 )  # fmt: skip
             self.units = [f for f in flats if f is not None]
             self._bucket_flat = [flats[u] for u in self._bucket_units]  # type: ignore[misc]
-            self.schedule = UnitSchedule(self._unit_modules, flats, self.process_group, self._zero.prefetch)
+            self._param_index = {id(p): i for i, p in enumerate(params)}
+            on_unreached = _weakly(self._arrive_unreached) if self.find_unused_parameters else None
+            self.schedule = UnitSchedule(self._unit_modules, flats, self.process_group, self._zero.prefetch, on_unreached)
 
         def make_bucket(b: int, idx: list[int]) -> ShardBucket:
             unit = self._bucket_flat[b]
@@ -334,6 +337,13 @@ class ZeroDataParallel(DistributedDataParallel):
             params, names, layout, self.process_group, find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=False, make_bucket=make_bucket, retire_early=stage >= 2,
         )  # fmt: skip
+
+    def _arrive_unreached(self, unreached: list[nn.Parameter]) -> None:
+        """Stage 3, ``find_unused_parameters``: the schedule's ``on_unreached``. The Reducer counts
+        the parameters a unit's backward will not reach as arrived (zeros) as that backward starts,
+        so the unit's reduce-scatter starts at the same point on every rank (``schedule.py``)."""
+        indices = [self._param_index[id(p)] for p in unreached]
+        self.reducer.arrive_unused(indices, sync=self._require_sync and self._forward_sync)
 
     # ------------------------------------------------------------------ forward
 
@@ -546,6 +556,19 @@ class ZeroDataParallel(DistributedDataParallel):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}, units={len(self.units)}, " + super().extra_repr()
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` (bound) called through a weak reference: whoever keeps the callable does not keep
+    its object alive (dropping the wrapper disarms it, as its hooks)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def _grad_of(bucket: ShardBucket, slot: int, a: int, b: int) -> Callable[[], torch.Tensor | None]:

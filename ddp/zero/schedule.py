@@ -25,13 +25,22 @@ All ranks must issue the same all-gathers in the same order: our collectives pai
 two units of equal size would pair silently. Each rank therefore folds the units it gathers into
 a checksum, and the end of every backward pass compares it across ranks (one small all-reduce):
 a unit run on some ranks only raises on every rank instead of training on mixed-up weights.
+
+The reduce-scatters sit between those all-gathers, so a unit's must start at the same point on
+every rank too: once its last gradient is in, during its backward. A parameter of the unit that
+this rank's forward did not use (``find_unused_parameters``; on other ranks it may be used) would
+hold it back to the end of the pass, behind the gathers of the units before it. So with
+``on_unreached`` the end of every forward walks the autograd graph of its output, and when a
+unit's backward starts, its trainable parameters the graph does not reach are handed to
+``on_unreached`` (the Reducer counts them as arrived, with zeros): its bucket then completes with
+its used gradients, as on the ranks that used them all.
 """
 
 from __future__ import annotations
 
 import weakref
 import zlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -51,13 +60,25 @@ class UnitSchedule:
         flats: the :class:`FlatParams` of each unit number (``None``: a unit without parameters).
         group: the group the units are sharded over.
         prefetch: start the next unit's all-gather while the current one computes.
+        on_unreached: ``on_unreached(params)`` when a unit's backward starts, with its trainable
+            parameters that the last forward's output does not depend on (``find_unused_parameters``;
+            ``None``: the graph is not walked).
     """
 
-    def __init__(self, modules: Sequence[nn.Module | None], flats: Sequence[FlatParams | None], group: Group, prefetch: bool):
+    def __init__(
+        self,
+        modules: Sequence[nn.Module | None],
+        flats: Sequence[FlatParams | None],
+        group: Group,
+        prefetch: bool,
+        on_unreached: Callable[[list[nn.Parameter]], None] | None = None,
+    ):
         self.modules = list(modules)
         self.flats = list(flats)
         self.group = group
         self.prefetch = prefetch
+        self.on_unreached = on_unreached
+        self._unreached: dict[int, list[nn.Parameter]] = {}  # per unit, from the last forward's graph
         self.order: list[int] = []  # unit numbers in the order their forward started (one per call)
         self.last_order: list[int] = []  # the previous forward's: what forward prefetches
         self.in_backward = False
@@ -109,6 +130,12 @@ class UnitSchedule:
         self.last_order = self.order
         if not self._hook_backward(output, self.root, None):
             self.release_all()  # no backward will follow (eval, no_grad): free now
+        elif self.on_unreached is not None:
+            reached = _reached_leaves([t for t in _tensors(output) if t.requires_grad])
+            self._unreached = {
+                u: [p for p in flat.params if p.requires_grad and id(p) not in reached]
+                for u, flat in enumerate(self.flats) if flat is not None
+            }  # fmt: skip
 
     def on_unit(self, u: int, pre: bool, output: Any = None) -> None:
         """Unit ``u``'s forward starts (``pre``) or ends."""
@@ -152,6 +179,9 @@ class UnitSchedule:
         self.gather(u)
         if self.prefetch and call:  # backward runs this forward's order backwards
             self.gather(self.order[call - 1], async_op=True)
+        unreached = self._unreached.pop(u, None)  # once per pass, however many outputs call this
+        if unreached and self.on_unreached is not None:
+            self.on_unreached(unreached)
 
     def post_backward(self) -> None:
         """End of a backward pass: free every unit; check that all ranks gathered alike."""
@@ -185,6 +215,23 @@ def _forward_hook(self_ref: "weakref.ref[UnitSchedule]", u: int, pre: bool):
             schedule.on_unit(u, False, output)
 
     return post_hook
+
+
+def _reached_leaves(tensors: list[torch.Tensor]) -> set[int]:
+    """``id`` of every leaf tensor (parameter) that the autograd graph of ``tensors`` leads to."""
+    reached = {id(t) for t in tensors if t.grad_fn is None}
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf's gradient sink
+        if variable is not None:
+            reached.add(id(variable))
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return reached
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ same case at stage 0 (our DDP with a plain optimizer) on the same data. The test
   on ``p2p`` above 2 ranks the ring starts each chunk at another rank: the single-process bound.
 
 Models have parameters of uneven sizes (7x13, 13, 13x5, 5, 5x3, 3: none divides by 2, 3 or 4;
-4 ranks get 3 bias elements), frozen, unused and tied parameters. Each world size runs all its
+4 ranks get 3 bias elements), frozen, unused (on every rank, or on some ranks only) and tied parameters. Each world size runs all its
 cases in one launch; the first test that needs a launch pays for it.
 """
 
@@ -80,6 +80,33 @@ class Unused(nn.Module):
         return self.l2(h) + self.branch(h) if use_branch else self.l2(h)
 
 
+class Shifted(nn.Linear):
+    """A Linear that adds ``extra`` to its output only while ``use_extra`` (its parent sets it)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out)
+        self.extra = nn.Parameter(torch.randn(n_out) / 4)
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + self.extra if self.use_extra else y
+
+
+class UnusedInUnit(nn.Module):
+    """``net.4.extra`` takes part only where the caller says (rank 0), inside a unit that runs on
+    every rank: the third of four, so that at stage 3 other units' gathers fall between its
+    reduce-scatter and the end of the backward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), Shifted(5, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        self.net[4].use_extra = use_branch
+        return self.net(x)
+
+
 class Tied(nn.Module):
     """Input embedding and output head share one weight: at stage 3 it lives in the root unit."""
 
@@ -94,7 +121,7 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(ids))))
 
 
-MODELS = {"uneven": Uneven, "frozen": Frozen, "unused": Unused, "tied": Tied}
+MODELS = {"uneven": Uneven, "frozen": Frozen, "unused": Unused, "unused-in-unit": UnusedInUnit, "tied": Tied}
 
 
 def build(kind: str, seed: int = MODEL_SEED) -> nn.Module:
@@ -163,6 +190,9 @@ def ladder(models: tuple[str, ...], opts: tuple[str, ...] = ("sgd", "adamw")) ->
                 if model == "unused":
                     kw["zero"] = {"bucket_cap_mb": TINY_MB, "find_unused_parameters": True}
                     kw["branch"] = "rank0" if stage < 3 else "all"  # stage 3: every rank runs the same units
+                if model == "unused-in-unit":  # the same units everywhere, one parameter in one unused
+                    kw["zero"] = {"bucket_cap_mb": TINY_MB, "find_unused_parameters": True}
+                    kw["branch"] = "rank0"
                 out.append(case(f"z{stage}-{model}-{opt}", stage, **kw))
     return out
 
@@ -172,16 +202,19 @@ def cases_for(world: int) -> list[dict[str, Any]]:
     if world == 1:
         return ladder(("uneven",), ("adamw",))
     if world == 2:
-        out = ladder(("uneven", "frozen", "unused", "tied"))
+        out = ladder(("uneven", "frozen", "unused", "tied")) + ladder(("unused-in-unit",), ("adamw",))
         for stage in (1, 2, 3):
             out.append(case(f"z{stage}-no-sync-clip", stage, micro=2, clip=0.05))
             out.append(case(f"z{stage}-keep-grads", stage, opt="sgd", set_to_none=False))
         out += [case(f"z2-{opt}", 2, opt=opt) for opt in OTHER_OPTIMIZERS]
         out.append(case("z3-units-per-sequential", 3, zero={"units": {nn.Sequential}}))
         out.append(case("z3-no-prefetch", 3, zero={"prefetch": False}))
+        out.append(case("z3-unused-in-unit-no-prefetch-no-sync", 3, model="unused-in-unit", branch="rank0", micro=2,
+                        zero={"bucket_cap_mb": TINY_MB, "find_unused_parameters": True, "prefetch": False}))
         return out
-    pick = {3: ("z1-uneven-adamw", "z2-unused-adamw", "z3-unused-adamw"), 4: ("z1-tied-adamw", "z2-uneven-adamw", "z3-uneven-adamw", "z3-tied-adamw")}
-    out = [c for c in ladder(("uneven", "unused", "tied"), ("adamw",)) if c["name"] in pick[world]]
+    pick = {3: ("z1-uneven-adamw", "z2-unused-adamw", "z3-unused-adamw"),
+            4: ("z1-tied-adamw", "z2-uneven-adamw", "z3-uneven-adamw", "z3-tied-adamw", "z3-unused-in-unit-adamw")}
+    out = [c for c in ladder(("uneven", "unused", "unused-in-unit", "tied"), ("adamw",)) if c["name"] in pick[world]]
     if world == 3:
         out.append(case("z2-no-sync-clip", 2, micro=2, clip=0.05))
     return out
