@@ -106,8 +106,10 @@ def load_sharded_state_dict(
             _fill(unit.master[a:b], params.get(name, []), piece.start, piece.stop, name)
         in_units.update(id(p) for p in unit.params)
     for name, p in model.module.named_parameters():
-        if id(p) not in in_units:
-            _fill(p.detach().reshape(-1), params.get(name, []), 0, p.numel(), name)
+        if id(p) not in in_units:  # through a flat copy: reshape(-1) of a non-contiguous p is a copy too
+            flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+            _fill(flat, params.get(name, []), 0, p.numel(), name)
+            p.detach().copy_(flat.view(p.shape))
     buffers = shards[[s["rank"] for s in shards].index(0)]["buffers"]
     for name, b in model.module.named_buffers():
         b.copy_(buffers[name])

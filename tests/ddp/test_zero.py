@@ -498,9 +498,11 @@ def reload_case(rank: int, world: int) -> dict[str, Any]:
 
 def load_case(directory: str, stage: int, rank: int, compute: torch.dtype) -> dict[str, Any]:
     """Load a checkpoint of the frozen model into a fresh one of another seed, at ``stage``
-    (computing in ``compute``): what this rank holds and computes with then."""
+    (computing in ``compute``), whose ``net.2.weight`` is stored transposed (not contiguous):
+    what this rank holds and computes with then."""
     mp = None if compute == torch.float64 else ddp.MixedPrecision(param_dtype=compute)
     model = build("frozen", MODEL_SEED + 1000 * rank + 1)
+    model.net[2].weight = nn.Parameter(model.net[2].weight.detach().t().contiguous().t())
     wrapped = ddp.ZeroDataParallel(model, stage=stage, bucket_cap_mb=TINY_MB, mixed_precision=mp)
     ddp.zero.load_checkpoint(directory, wrapped)
     return computed_with(wrapped, "frozen", compute)
@@ -615,6 +617,7 @@ def restart_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
         "w4-into-stage-3": from_4["computed"],
         "w2-into-stage-1-bf16": load_case(f"{ckpt_dir}/w2", 1, rank, torch.bfloat16),
         "w4-into-stage-2": load_case(f"{ckpt_dir}/w4", 2, rank, torch.float64),
+        "w4-into-stage-0": load_case(f"{ckpt_dir}/w4", 0, rank, torch.float64),
     }
     return {"resumed": resumed, "from_4": from_4, "loaded": loaded}
 
@@ -841,7 +844,7 @@ def test_checkpoint_restart_and_reshard(ckpt_dir: str) -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("load", ["w2-into-stage-2", "w4-into-stage-3", "w2-into-stage-1-bf16", "w4-into-stage-2"])
+@pytest.mark.parametrize("load", ["w2-into-stage-2", "w4-into-stage-3", "w2-into-stage-1-bf16", "w4-into-stage-2", "w4-into-stage-0"])
 def test_checkpoint_load_restores_every_parameter_and_buffer(load: str, ckpt_dir: str) -> None:
     """Loaded into a model initialised with another seed: on every rank every parameter (the frozen
     weight too) and buffer equals the saved one, and the module computes with them (cast to
