@@ -157,9 +157,10 @@ def _wire(g: Group, tensor: torch.Tensor, name: str) -> Transport:
             raise ValueError(f"{name}: the {g.backend} backend has no transport for {tensor.device} tensors")
         return transport
     box = g.mailbox
-    if "cpu" not in box.channels:
-        box.channels["cpu"] = TorchP2PTransport(g.process_group, get_rank(g), g.timeout, tag=USER_TAG)
-    return box.channels["cpu"]
+    with box.lock:  # one channel even when two threads send at once: pairs are ordered per channel
+        if "cpu" not in box.channels:
+            box.channels["cpu"] = TorchP2PTransport(g.process_group, get_rank(g), g.timeout, tag=USER_TAG)
+        return box.channels["cpu"]
 
 
 # ---------------------------------------------------------------------------- posting
