@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as tdist
@@ -39,13 +39,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import collectives
 from collectives import ReduceOp, torch_backend, trace
-from collectives.backends import backend_argument, describe_backends, device_type_of
+from collectives.backends import backend_argument, describe_backends, device_type_of, resolve_backend, select_backend
+from collectives.transport.shm import ShmTransport
 from data import DistributedSampler, ScatterDataset
 
 from .distributed import DistributedDataParallel
 from .naive import all_reduce_gradients
 from .sync import broadcast_module, broadcast_tensors
 from .zero import ZeroDataParallel, ZeroRedundancyOptimizer, memory_report
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 log = logging.getLogger("ddp.train")
 
@@ -235,6 +239,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
 
     with model.summon_full_params() if cfg.zero == 3 else contextlib.nullcontext():  # type: ignore[operator]
         identical = _identical_parameters(model)
+    backend = backend_in_use(device)
     memory_per_rank = _gather_json(dataclasses.asdict(memory), device)
     events = _gather_json(tracer.export(), device) if tracer is not None else None
     if not identical:
@@ -243,8 +248,9 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
         return None
     summary = {
         "world_size": world_size,
-        "backend": cfg.backend,
-        "mode": "naive" if cfg.naive else "torch's" if cfg.torch_ddp else f"ZeRO-{cfg.zero}" if cfg.zero else "bucketed",
+        "backend": backend,
+        "run": describe_run(cfg, world_size, backend),
+        "mode": mode_name(cfg),
         "data": cfg.data,
         "epochs": epochs,
         "final_test_accuracy": epochs[-1]["test_accuracy"] if epochs else 0.0,
@@ -256,7 +262,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
         trace.write_chrome_trace(cfg.trace, events)
         log.info("wrote Chrome trace %s (open in https://ui.perfetto.dev or chrome://tracing)", cfg.trace)
     if cfg.plot:
-        _plot(cfg.plot, epochs, cfg)
+        curve_figure(epochs, plot_title(cfg, world_size, backend)).savefig(cfg.plot, dpi=100)
         log.info("wrote loss curve %s", cfg.plot)
     return summary
 
@@ -269,26 +275,75 @@ def _progress(rank: int, total: int, desc: str):
     return tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
 
 
-def _plot(path: str, epochs: list[dict[str, float]], cfg: Config) -> None:
-    import matplotlib
+def mode_name(cfg: Config) -> str:
+    """What trained: ``naive DDP``, ``torch's DDP``, ``bucketed DDP`` (ours) or ``ZeRO-<stage>``."""
+    if cfg.naive:
+        return "naive DDP"
+    if cfg.torch_ddp:
+        return "torch's DDP"
+    return f"ZeRO-{cfg.zero}" if cfg.zero else "bucketed DDP"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def backend_in_use(device: torch.device) -> str:
+    """The backend that ran the default group's collectives on ``device`` tensors: the one asked
+    for, or what ``auto`` picked (``shm`` on one host), and ``p2p`` where ``shm`` found no shared
+    memory and fell back to it."""
+    group = collectives.get_group()
+    transport = getattr(group.engine(device), "transport", None)
+    if isinstance(transport, ShmTransport) and transport.fell_back:
+        return "p2p"
+    return select_backend(group.backend, device.type, group).name
+
+
+def describe_run(cfg: Config, world_size: int, backend: str) -> str:
+    """The run in words, for the last log line and the plot: ranks (``world_size``: under torchrun
+    not ``cfg``'s), what trained, data mode, and ``backend``, the one that ran
+    (:func:`backend_in_use`), with the ``--backend`` asked for where it differs (``auto``)."""
+    asked = "" if resolve_backend(cfg.backend) == backend else f" ({cfg.backend})"
+    ranks = f"{world_size} rank{'' if world_size == 1 else 's'}"
+    return f"{ranks}, {mode_name(cfg)}, {cfg.data} data, {backend} backend{asked}"
+
+
+def plot_title(cfg: Config, world_size: int, backend: str) -> str:
+    """The plot's title: :func:`describe_run`, then how gradients travel (bucket cap; stage 3
+    communicates per module unit, naive DDP once after backward) and the accumulation."""
+    if cfg.naive:
+        how = "gradients all-reduced after backward"
+    elif cfg.zero == 3:
+        how = "one unit per module"
+    else:
+        how = f"{cfg.bucket_mb:g} MB buckets"
+    if cfg.accum > 1:
+        how += f", {cfg.accum} micro-batches per step"
+    return f"digits: {describe_run(cfg, world_size, backend)}\n{how}"
+
+
+def curve_figure(epochs: list[dict[str, float]], title: str) -> Figure:
+    """The ``--plot`` figure: train loss (left axis, from 0) and test accuracy (right axis) by
+    epoch, ticks on whole epochs, the legend under the axes where it covers neither a curve nor an
+    axis label. ``epochs``: the summary's rows (``epoch``, ``loss``, ``test_accuracy``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # no pyplot: nothing global, no GUI backend
+    from matplotlib.ticker import MaxNLocator
 
     xs = [e["epoch"] for e in epochs]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [e["loss"] for e in epochs], marker="o", label="train loss")
+    fig = Figure(figsize=(6.4, 4.4))
+    FigureCanvasAgg(fig)  # lays out and draws without a display
+    ax = fig.subplots()
+    (loss,) = ax.plot(xs, [e["loss"] for e in epochs], marker="o", label="train loss")
     ax.set_xlabel("epoch")
     ax.set_ylabel("cross-entropy")
+    ax.set_ylim(bottom=0)  # one epoch: the loss at the top, the accuracy (centred) below it
+    ax.set_xlim(0.5, len(xs) + 0.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     twin = ax.twinx()
-    twin.plot(xs, [100 * e["test_accuracy"] for e in epochs], color="tab:green", marker="s", label="test accuracy")
+    (accuracy,) = twin.plot(xs, [100 * e["test_accuracy"] for e in epochs], color="tab:green", marker="s",
+                            label="test accuracy")
     twin.set_ylabel("test accuracy (%)")
-    mode = "naive" if cfg.naive else f"DDP, {cfg.bucket_mb:g} MB buckets"
-    ax.set_title(f"digits, {cfg.world_size} ranks, {cfg.backend} backend, {mode}")
-    fig.legend(loc="center right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    ax.set_title(title, fontsize=10)
+    fig.legend(handles=[loss, accuracy], loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # the bottom strip holds the legend
+    return fig
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -340,14 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     if summary is None:
         return 0  # under torchrun: only rank 0's process reports
     log.info("%s", format_memory(summary["memory_per_rank"], summary["mode"]))
-    mode = summary["mode"] if summary["mode"].startswith("ZeRO") else f"{summary['mode']} DDP"
-    log.info(
-        "done: %d ranks (%s backend, %s, %s data) trained %d epochs in %.1fs; parameters identical on every "
-        "rank; final test accuracy %.1f%%",
-        summary["world_size"], summary["backend"], mode, summary["data"], len(summary["epochs"]),
-        summary["seconds"], 100 * summary["final_test_accuracy"],
-    )  # fmt: skip
+    log.info("%s", done_message(summary))
     return 0
+
+
+def done_message(summary: dict[str, Any]) -> str:
+    """The job's last line, from rank 0's summary (:func:`train`)."""
+    epochs = len(summary["epochs"])
+    return (f"done: {summary['run']}: trained {epochs} epoch{'' if epochs == 1 else 's'} in {summary['seconds']:.1f}s; "
+            f"parameters identical on every rank; final test accuracy {100 * summary['final_test_accuracy']:.1f}%")
 
 
 def format_memory(per_rank: list[dict[str, Any]], mode: str) -> str:

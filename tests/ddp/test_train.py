@@ -29,6 +29,7 @@ def test_default_job_trains_and_writes_trace_and_plot(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert final_accuracy(out) > 90.0
     assert "bucket layout" in out.stderr and "epoch  4/4" in out.stderr
+    assert "done: 2 ranks, bucketed DDP, sampler data, shm backend (auto): trained 4 epochs in" in out.stderr
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = json.loads(trace_path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
@@ -46,7 +47,7 @@ def test_default_job_trains_and_writes_trace_and_plot(tmp_path):
 def test_naive_scatter_accumulation_on_three_ranks():
     out = run_train("--epochs", "2", "-n", "3", "--naive", "--data", "scatter", "--accum", "2", "--backend", "p2p")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "3 ranks (p2p backend, naive DDP, scatter data)" in out.stderr
+    assert "done: 3 ranks, naive DDP, scatter data, p2p backend: trained 2 epochs" in out.stderr
     assert final_accuracy(out) > 70.0
 
 
@@ -56,8 +57,57 @@ def test_torch_ddp_on_the_ringddp_backend_trains_like_ours():
     updates at two ranks, so the same losses as our DDP (a sum of two floats has one rounding)."""
     ours, torchs = run_train("--epochs", "2"), run_train("--epochs", "2", "--torch-ddp")
     assert torchs.returncode == 0, torchs.stderr[-3000:]
-    assert "2 ranks (auto backend, torch's DDP, sampler data)" in torchs.stderr
+    assert "done: 2 ranks, torch's DDP, sampler data, shm backend (auto):" in torchs.stderr
     assert final_accuracy(torchs) == final_accuracy(ours) and _losses(torchs) == _losses(ours)
+
+
+def test_plot_title_and_last_line_name_what_ran():
+    """The title names the mode (stage, torch's DDP, naive), the data mode and the backend that ran
+    (with the one asked for where they differ); the last line counts epochs in English."""
+    from ddp.train import done_message, parse_args, plot_title
+
+    def title(args: str, backend: str, world_size: int = 2) -> str:
+        return plot_title(parse_args(args.split()), world_size, backend)
+
+    assert title("--zero 2 -n 3 --data scatter", "shm", 3) == (
+        "digits: 3 ranks, ZeRO-2, scatter data, shm backend (auto)\n0.05 MB buckets")
+    assert title("--torch-ddp --bucket-mb 1", "shm") == "digits: 2 ranks, torch's DDP, sampler data, shm backend (auto)\n1 MB buckets"
+    assert title("--naive --accum 2 --backend gloo", "p2p") == (
+        "digits: 2 ranks, naive DDP, sampler data, p2p backend\ngradients all-reduced after backward, 2 micro-batches per step")
+    assert title("--zero 3 --backend shm", "p2p", 1) == (  # shm found no shared memory and fell back
+        "digits: 1 rank, ZeRO-3, sampler data, p2p backend (shm)\none unit per module")
+    assert title("", "shm").startswith("digits: 2 ranks, bucketed DDP, sampler data, shm backend (auto)\n")
+    one = {"run": "2 ranks", "epochs": [{}], "seconds": 0.25, "final_test_accuracy": 0.9}
+    assert done_message(one).startswith("done: 2 ranks: trained 1 epoch in 0.2s;")
+    assert "trained 3 epochs" in done_message(dict(one, epochs=[{}] * 3))
+
+
+@pytest.mark.parametrize("epochs", [1, 3, 40])
+def test_curve_has_whole_epoch_ticks_and_nothing_overlapping(epochs):
+    """``--plot``'s figure: the title given, ticks on whole epochs within the run, and the legend,
+    title and axis labels each clear of the others and of the axes (one epoch: both points apart)."""
+    from ddp.train import curve_figure
+
+    rows = [{"epoch": e, "loss": 1.5 / e, "test_accuracy": 0.9 + 0.05 * (e > 1)} for e in range(1, epochs + 1)]
+    fig = curve_figure(rows, "digits: a title\nits second line")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax, twin = fig.axes
+    assert ax.get_title() == "digits: a title\nits second line"
+    ticks = [t for t in ax.get_xticks() if 0.5 <= t <= epochs + 0.5]
+    assert ticks and all(t == int(t) and 1 <= t <= epochs for t in ticks), ticks
+    boxes = {"legend": fig.legends[0].get_window_extent(renderer), "title": ax.title.get_window_extent(renderer),
+             "axes": ax.get_window_extent(renderer)}
+    for name, label in (("x label", ax.xaxis.label), ("loss label", ax.yaxis.label), ("accuracy label", twin.yaxis.label)):
+        boxes[name] = label.get_window_extent(renderer)
+    names = sorted(boxes)
+    clashes = [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if boxes[a].overlaps(boxes[b])]
+    assert not clashes, clashes
+    assert all(fig.bbox.contains(*box.min) and fig.bbox.contains(*box.max) for box in boxes.values()), boxes
+    if epochs == 1:  # the two single points must not hide each other
+        loss_at = ax.transData.transform((1, rows[0]["loss"]))
+        accuracy_at = twin.transData.transform((1, 100 * rows[0]["test_accuracy"]))
+        assert abs(loss_at[1] - accuracy_at[1]) > 20, (loss_at, accuracy_at)
 
 
 def test_bad_arguments_are_rejected():
@@ -71,7 +121,7 @@ def test_bad_arguments_are_rejected():
 def test_zero3_job_trains_and_prints_memory_per_rank():
     out = run_train("--epochs", "2", "--zero", "3")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "unit layout (4 units" in out.stderr and "(auto backend, ZeRO-3, sampler data)" in out.stderr
+    assert "unit layout (4 units" in out.stderr and "done: 2 ranks, ZeRO-3, sampler data, shm backend (auto):" in out.stderr
     table = out.stderr.split("memory per rank after the last step, ZeRO-3")[1].splitlines()[1:4]
     assert table[0].split() == ["rank", "parameters", "gradients", "optimizer", "state"]
     # 85,514 float32 parameters (334 KiB); each rank holds its half of them, of their gradients

@@ -222,6 +222,11 @@ class ShmTransport(Transport):
         return self._fifos.queue(tensor, peer, "recv")  # type: ignore[union-attr]
 
     @property
+    def fell_back(self) -> bool:
+        """Whether set-up found no shared memory and the traffic runs over the p2p fallback."""
+        return self._p2p is not None
+
+    @property
     def moves(self) -> Moves:
         """How often this rank's blocking waits moved it off a peer's CPU (:class:`.waiting.Moves`)."""
         return self._waiter.moves if self._waiter is not None else Moves(0, 0.0)
