@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import api, debug, trace
 from .backends import resolve_backend
-from .errors import CollectiveTimeoutError, timeout_seconds
+from .errors import CollectiveTimeoutError, timed_out, timeout_seconds
 from .group import (
     DEFAULT_TIMEOUT, NON_GROUP_MEMBER, Group, NonMember, get_default_group, get_group, get_rank, get_world_size,
     group_count, is_initialized, member, new_group,
@@ -293,7 +293,7 @@ def monitored_barrier(
             arrived = wait(pg.send([token], 0, _MONITOR_TAG), deadline)
             if not (arrived and wait(pg.recv([token.clone()], 0, _MONITOR_TAG), deadline)):
                 raise CollectiveTimeoutError(
-                    f"{name}: rank {g.ranks[me]} got no answer from rank {g.ranks[0]} within {seconds:g}s "
+                    f"{name}: rank {g.ranks[me]} got no answer from rank {g.ranks[0]}: {timed_out(seconds)} "
                     "(rank 0 reports which ranks did not arrive)",
                     op=name,
                     peer=0,

@@ -6,6 +6,11 @@ connection) raise :class:`CollectiveError`; a wait that runs past its deadline r
 :class:`CollectiveTimeoutError`. Both name the collective and the peer rank involved. Deadlines
 are given as seconds or ``timedelta`` everywhere (:func:`timeout_seconds`).
 
+A deadline error says so in torch's words: ``<op>: <what waited for whom>: Timed out after 2s
+(...)`` (:func:`timed_out`). Code written against torch's backends matches those words (torch's
+own test suite expects ``" (Timed out|closed|timeout) "``, case and spaces included), so it keeps
+working on ours.
+
 ``CollectiveError`` derives from torch's ``DistBackendError`` (itself a ``DistError``, a
 ``RuntimeError``), so ``except torch.distributed.DistError`` (or ``dist.DistError`` after the
 import swap) catches our communication failures exactly as it catches torch's.
@@ -33,7 +38,14 @@ class CollectiveError(dist.DistBackendError):
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
-    """A blocking wait inside a collective ran past its deadline."""
+    """A blocking wait inside a collective ran past its deadline (its message contains
+    :func:`timed_out`'s words)."""
+
+
+def timed_out(seconds: float) -> str:
+    """``"Timed out after 2s"``: the words every deadline error puts after ``"<op>: ...: "``, as
+    gloo words its own ("Timed out waiting 2000ms ..."), so ``" Timed out "`` is in the message."""
+    return f"Timed out after {seconds:g}s"
 
 
 def timeout_seconds(timeout: datetime.timedelta | float | None, default: float | None = None) -> float | None:

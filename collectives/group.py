@@ -37,7 +37,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 from . import debug, trace, wire
 from .backends import AUTO, Backend, get_backend, resolve_backend, select_backend
 from .engine import Engine
-from .errors import CollectiveError, CollectiveTimeoutError, timeout_seconds
+from .errors import CollectiveError, CollectiveTimeoutError, timed_out, timeout_seconds
 from .mailbox import Mailbox
 from .transport.base import wait_for_keys
 from .tuning import Tuning
@@ -393,7 +393,7 @@ def _exchange_hosts(store: dist.Store, rank: int, size: int, seconds: float) -> 
     if not wait_for_keys(store, keys, time.monotonic() + seconds):
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise CollectiveTimeoutError(
-            f"init: ranks {missing} did not publish their host within {seconds:g}s (this is rank {rank} of {size})",
+            f"init: ranks {missing} did not publish their host: {timed_out(seconds)} (this is rank {rank} of {size})",
             op="init",
             peer=missing[0] if missing else None,
         )

@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import validate
-from .errors import CollectiveError, CollectiveTimeoutError
+from .errors import CollectiveError, CollectiveTimeoutError, timed_out
 from .group import Group, NonMember, get_group, get_rank, is_non_member, member
 from .mailbox import Incoming, MessageMismatchError, header
 from .transport.base import Request, Transport, wait_all
@@ -83,7 +83,7 @@ class P2PWork(Work):
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         if not self._posted.wait(seconds):
-            raise CollectiveTimeoutError(f"{self.name}: Work.wait timed out after {seconds}s", op=self.name)
+            raise CollectiveTimeoutError(f"{self.name}: Work.wait: {timed_out(seconds)}", op=self.name)
         with self._finishing:
             if not self.is_completed():
                 error = self._post_error

@@ -66,7 +66,7 @@ from typing import Callable
 
 import torch
 
-from .errors import CollectiveTimeoutError, timeout_seconds
+from .errors import CollectiveTimeoutError, timed_out, timeout_seconds
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class Work:
         if not self._done:
             seconds = timeout_seconds(timeout)
             if not self._ready.acquire(timeout=-1 if seconds is None else seconds):  # releases the GIL
-                raise CollectiveTimeoutError(f"{self.name}: Work.wait timed out after {seconds}s", op=self.name)
+                raise CollectiveTimeoutError(f"{self.name}: Work.wait: {timed_out(seconds)}", op=self.name)
             self._ready.release()  # for the next waiter
         if self._error is not None:
             raise self._error

@@ -92,7 +92,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import CollectiveError, CollectiveTimeoutError
+from ..errors import CollectiveError, CollectiveTimeoutError, timed_out
 from .base import Message, Peer, Request, Transport, wait_for_keys
 
 log = logging.getLogger(__name__)
@@ -331,7 +331,7 @@ def _share_via_store(store: Any, rank: int, world_size: int, timeout: float, mak
         return uid
     if not wait_for_keys(store, [_UID_KEY], time.monotonic() + timeout):  # the client is shared: poll
         raise CollectiveTimeoutError(
-            f"nccl-cupy init: no NCCL unique id from rank 0 within {timeout:g}s (this is rank {rank} "
+            f"nccl-cupy init: no NCCL unique id from rank 0: {timed_out(timeout)} (this is rank {rank} "
             f"of {world_size})",
             op="nccl-cupy init",
             peer=0,
@@ -663,7 +663,7 @@ class CupyNcclTransport(Transport):
 
     def _timed_out(self, request: CupyNcclRequest) -> None:
         message = (
-            f"{request._op}: {request.describe()} timed out after {self.timeout:g}s (this is rank "
+            f"{request._op}: {request.describe()}: {timed_out(self.timeout)} (this is rank "
             f"{self.rank} of {self.world_size}); the NCCL communicator was aborted and the transport "
             "is unusable"
         )

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import wire
-from ..errors import CollectiveError, CollectiveTimeoutError
+from ..errors import CollectiveError, CollectiveTimeoutError, timed_out
 from .base import GroupInfo, Peer, Request, Transport
 
 #: seconds a rank that found a mismatch still waits for its other header transfers before raising.
@@ -156,12 +156,12 @@ class TorchP2PTransport(Transport):
     def error(self, exc: RuntimeError, kind: str, peer: Peer) -> CollectiveError:
         """Turn a gloo failure into an error naming the collective, the peer and this rank."""
         text = str(exc)
-        timed_out = "Timed out" in text or "timeout" in text.lower()
-        cls = CollectiveTimeoutError if timed_out else CollectiveError
-        what = f"timed out after {self.timeout:g}s" if timed_out else "failed"
+        late = "Timed out" in text or "timeout" in text.lower()
+        cls = CollectiveTimeoutError if late else CollectiveError
+        what = f": {timed_out(self.timeout)}" if late else " failed"
         first_line = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
         return cls(
-            f"{self.op}: {kind} {'to' if kind.startswith('send') else 'from'} rank {peer} {what} "
+            f"{self.op}: {kind} {'to' if kind.startswith('send') else 'from'} rank {peer}{what} "
             f"(this is rank {self.rank} of {self.world_size}): {first_line}",
             op=self.op,
             peer=peer,

@@ -580,7 +580,7 @@ def test_timeout_names_op_and_peer_and_aborts():
     err = info.value
     assert isinstance(err, TimeoutError) and isinstance(err, CollectiveError)
     assert err.op == "all_reduce" and err.peer == 3
-    assert "all_reduce" in str(err) and "rank 3" in str(err) and "timed out" in str(err)
+    assert "all_reduce" in str(err) and "rank 3" in str(err) and " Timed out " in str(err)
     assert comm.aborted == 1
     assert transport.broken is not None
     # unusable afterwards: nothing more is issued, waits fail at once

@@ -171,7 +171,7 @@ def _paths(rank: int, world_size: int) -> dict:
             else:
                 c.all_reduce(torch.ones(4), group=g, async_op=True).wait()
         except c.CollectiveError as exc:  # spin, then sleep in poll, then the 1 s deadline
-            queued_behind = "unusable after an earlier failure" in str(exc) and "timed out after 1s" in str(exc)
+            queued_behind = "unusable after an earlier failure" in str(exc) and "Timed out after 1s" in str(exc)
             errors.append((type(exc).__name__, exc.op, exc.peer, 1.0 <= time.monotonic() - started < 4.0, queued_behind))
         c.barrier()
     return {"inline": inline, "queued": queued, "async": background, "errors": errors}

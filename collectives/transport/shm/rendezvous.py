@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as dist
 
-from ...errors import CollectiveTimeoutError
+from ...errors import CollectiveTimeoutError, timed_out
 from ..base import Peer, Transport, wait_for_keys
 from . import segment
 from .config import ShmConfig, ShmUnavailableError
@@ -59,7 +59,7 @@ class Rendezvous:
         if not wait_for_keys(self._store, [key], deadline):
             op = self._transport.op
             raise CollectiveTimeoutError(
-                f"{op}: shared-memory set-up timed out after {self.timeout:g}s: rank {peer} did not "
+                f"{op}: shared-memory set-up: {timed_out(self.timeout)}: rank {peer} did not "
                 f"join (this is rank {self.rank} of {self.world_size})",
                 op=op,
                 peer=peer,

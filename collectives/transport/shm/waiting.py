@@ -53,7 +53,7 @@ import socket
 import time
 from typing import Callable, Iterable, NamedTuple
 
-from ...errors import CollectiveError, CollectiveTimeoutError
+from ...errors import CollectiveError, CollectiveTimeoutError, timed_out
 from ...work import on_communication_thread
 from ..base import Peer, Transport
 from .control import CPU, SLEEPING, fence
@@ -213,7 +213,7 @@ class Waiter:
                 me[SLEEPING] = 0
                 op = self._transport.op
                 raise CollectiveTimeoutError(
-                    f"{op}: {kind} rank {peer} timed out after {self.timeout:g}s "
+                    f"{op}: {kind} rank {peer}: {timed_out(self.timeout)} "
                     f"(this is rank {self.rank} of {self.world_size})",
                     op=op,
                     peer=peer,
