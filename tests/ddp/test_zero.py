@@ -689,9 +689,14 @@ def test_stage_matches_single_process_and_our_ddp(run: str, case_name: str, ckpt
             assert np.array_equal(a, b), f"rank {r} parameter {i} differs from rank 0's"
     ours, ddp_run = per_rank[0]["zero"], per_rank[0]["ddp"]
     assert_close(ours, reference(c, world), f"{case_name} vs one process")
-    if bitwise:
+    if bitwise and c["clip"] is None:
         for i, (a, b) in enumerate(zip(ours, ddp_run)):
             assert np.array_equal(a, b), f"{case_name}: parameter {i} differs from our DDP's (bitwise expected)"
+    elif bitwise:  # clipping scales by max_norm / |g|, and a sharded |g| adds its squares per owned piece, our
+        # DDP's per parameter: the same sum in another order, equal to a few float64 ulps (2.8e-17 seen on one
+        # CPU, 0 on another), so the steps agree to rounding, not bit for bit
+        for i, (a, b) in enumerate(zip(ours, ddp_run)):
+            np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15, err_msg=f"{case_name}: parameter {i} vs our DDP's")
     else:
         assert_close(ours, ddp_run, f"{case_name} vs our DDP")
     init = [p.detach().numpy() for p in build(c["model"]).parameters()]
