@@ -52,7 +52,7 @@ def process_alive(pid: int) -> bool:
     return leaks.alive(pid)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and SIGKILL")
 @pytest.mark.parametrize("backend", ["shm", "p2p"])
 def test_rank_killed_mid_all_reduce(tmp_path, backend):
@@ -70,7 +70,9 @@ def test_rank_killed_mid_all_reduce(tmp_path, backend):
     piddir = tmp_path / "pids"
     piddir.mkdir()
     start = time.monotonic()
-    out = run_script(tmp_path, KILL_SCRIPT, str(piddir), backend, str(deadline), timeout=150)
+    # generous: at load 16 on 2 cores (CI beside other jobs) starting 4 ranks and their first 16 MB
+    # all-reduces took more than 150 s; what is timed is the survivors' reaction, below
+    out = run_script(tmp_path, KILL_SCRIPT, str(piddir), backend, str(deadline), timeout=360)
     elapsed = time.monotonic() - start
     err = out.stderr
     assert out.returncode != 0
@@ -81,7 +83,7 @@ def test_rank_killed_mid_all_reduce(tmp_path, backend):
     for s in found.values():
         assert s.op == "all_reduce" and s.seconds < within and "unusable" in s.next_call, found
         assert s.kind == "CollectiveError" or (backend == "p2p" and s.kind == "CollectiveTimeoutError"), found
-    assert elapsed < 60, elapsed
+    assert elapsed < 300, elapsed  # no hang (the launcher's grace period is 15 s)
     # no orphans: every rank process is gone
     pids = pids_in(piddir)
     assert len(pids) == 4
