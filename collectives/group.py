@@ -38,8 +38,9 @@ from . import debug, trace, wire
 from .backends import AUTO, Backend, get_backend, resolve_backend, select_backend
 from .engine import Engine
 from .errors import CollectiveError, CollectiveTimeoutError, timed_out, timeout_seconds
-from .mailbox import Mailbox
+from .mailbox import USER_TAG, Mailbox
 from .transport.base import wait_for_keys
+from .transport.torch_p2p import TorchP2PTransport
 from .tuning import Tuning
 from .work import Executor, Work, current_issuer, on_communication_thread
 
@@ -88,8 +89,8 @@ class Group:
         store: a torch ``Store`` private to this group: keys cannot clash with other groups', and a
             TCP store connection is shared, so its users poll (:func:`~collectives.transport.base.wait_for_keys`).
         hosts: a host key per group rank (:func:`host_key`); equal keys share memory.
-        mailbox: the receives of user point-to-point messages still waiting for their payload
-            (:class:`~collectives.mailbox.Mailbox`).
+        mailbox: user point-to-point's receives and the streams they read from, and the user
+            channel CPU messages travel on (:class:`~collectives.mailbox.Mailbox`).
 
     A group is the :class:`~collectives.transport.base.GroupInfo` its backend builds transports from.
     """
@@ -115,7 +116,7 @@ class Group:
         self.hosts = list(hosts)
         self._rank = process_group.rank()
         debug.read_environment()  # the checking level: an unknown $RINGDDP_DEBUG raises here
-        self.mailbox = Mailbox()
+        self.mailbox = Mailbox(self.ranks, lambda: TorchP2PTransport(process_group, self._rank, timeout, tag=USER_TAG))
         self._executor = Executor(name)
         self._failure: CollectiveError | None = None  # the first communication failure
         self._creator = threading.current_thread()  # its calls carry thread code 0 (collectives.wire)
@@ -205,12 +206,7 @@ class Group:
         ``group_peer`` (``what``: ``"src"`` or ``"dst"``); raises before any traffic if it is
         missing, both, out of range or this rank itself."""
         if peer is None and group_peer is None:
-            if what == "src":
-                raise ValueError(
-                    f"{op_name}: src is required: collectives has no any-source receive (messages are "
-                    "matched by sender and order); pass the sender's rank"
-                )
-            raise ValueError(f"{op_name}: dst is required")
+            raise ValueError(f"{op_name}: {what} is required")
         if peer is not None and group_peer is not None:
             raise ValueError(f"{op_name}: pass either {what} or group_{what}, not both")
         if group_peer is not None:
@@ -224,6 +220,12 @@ class Group:
         if local == self._rank:
             raise ValueError(f"{op_name}: {what} is this rank ({self.ranks[local]}); a rank cannot message itself")
         return local, self.ranks[local]
+
+    def source(self, op_name: str, src: int | None, group_src: int | None) -> tuple[int | None, int | None]:
+        """:meth:`peer` of a receive, which may name no sender: ``(None, None)`` then (any source)."""
+        if src is None and group_src is None:
+            return None, None
+        return self.peer(op_name, "src", src, group_src)
 
     # ------------------------------------------------------------------------ engines
 
@@ -376,9 +378,11 @@ class Group:
 
     def close(self) -> None:
         """Release the group: wait for its queue (on a broken group only the call in flight, if
-        any, takes time: the rest fail at once), stop its thread, close its engines (shared-memory
-        segments, connections)."""
+        any, takes time: the rest fail at once), stop its thread, say goodbye to the peers' user
+        point-to-point (:meth:`Mailbox.close <collectives.mailbox.Mailbox.close>`), close its
+        engines (shared-memory segments, connections)."""
         self._executor.close()
+        self.mailbox.close()
         with self._building:
             for engine in self._engines.values():
                 engine.close()

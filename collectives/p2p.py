@@ -31,15 +31,19 @@ Differences from torch, all raised as errors rather than left to hang or corrupt
   dtype, the receiver raises :class:`~collectives.mailbox.MessageMismatchError` (a
   ``CollectiveError``), after draining the payload so the pair stays usable. Code that relies on
   tags to pair messages sent in another order than they are received must send them in order.
-* **No any-source receive.** ``recv(tensor)`` without ``src`` / ``group_src`` raises
-  ``ValueError`` before any traffic; pass the sender's rank. (The wire matches by sender and
-  order; an any-source receive would need a probe the transports do not have.)
+* **Any-source receives match tags.** ``recv(tensor)`` / ``irecv(tensor)`` without ``src`` /
+  ``group_src`` take the first message, among each sender's next one, whose tag is theirs
+  (first come, first served: no sender starves; ``collectives/mailbox.py``), and report the
+  sender: ``recv`` returns its global rank, the handle's ``source_rank()`` (torch's
+  ``_source_rank()``) its group rank. Per sender, messages are still taken in the order sent.
+  CPU tensors only: on NCCL (shared with the collectives) it raises ``ValueError``.
 * **The dtype must match** (torch only compares byte counts). Non-contiguous tensors are
   accepted (torch refuses them).
 * Bad peers (this rank, out of range, not an int) raise ``ValueError`` / ``TypeError`` before
   any traffic, where torch may wait for its store timeout.
 
-Cost: one extra 24-byte message per user message (the header): ``2α + Sβ``.
+Cost: one extra 24-byte message per user message (the header): ``2α + Sβ``. A rank's next header
+from a peer is read once the previous one was taken, by a thread of the mailbox.
 """
 
 from __future__ import annotations
@@ -52,10 +56,9 @@ import torch
 
 from . import validate
 from .errors import CollectiveError, CollectiveTimeoutError, timed_out
-from .group import Group, NonMember, get_group, get_rank, is_non_member, member
+from .group import Group, NonMember, get_group, is_non_member, member
 from .mailbox import Incoming, MessageMismatchError, header
 from .transport.base import Request, Transport, wait_all
-from .transport.torch_p2p import TorchP2PTransport
 from .work import Work
 
 
@@ -68,13 +71,24 @@ class P2PWork(Work):
     the wait for the post; the transfer obeys the group's timeout.
     """
 
-    def __init__(self, name: str, group: Group):
+    def __init__(self, name: str, group: Group, incoming: Incoming | None = None):
         super().__init__(name)
         self._group = group
+        self._incoming = incoming  # None for a send
         self._posted = threading.Event()
         self._post_error: BaseException | None = None
         self._complete: Callable[[], None] = lambda: None
         self._finishing = threading.Lock()
+
+    def source_rank(self) -> int:
+        """The sender's group rank (torch's ``Work.source_rank``): known at once for a receive
+        from a given rank, after ``wait`` for an any-source one (-1 before). A send raises."""
+        if self._incoming is None:
+            raise RuntimeError(f"{self.name}: source_rank() is only for receives")
+        peer = self._incoming.peer
+        return -1 if peer is None else peer
+
+    _source_rank = source_rank  # torch's spelling, which torch.distributed.recv calls
 
     def finish(self, error: BaseException | None) -> None:  # the group's queue ran the post
         self._post_error = error
@@ -138,17 +152,14 @@ def _check_tag(tag: object, name: str) -> int:
     return tag
 
 
-#: gloo tag of the user channel (collectives use 0, the NCCL id exchange uses its own).
-USER_TAG = 1
-
-
 def _wire(g: Group, tensor: torch.Tensor, name: str) -> Transport:
     """The wire of user messages of ``tensor``'s device on ``g``.
 
     CPU tensors (every CPU backend, the torch reference included) travel on a channel of their
-    own: our gloo transport on the group's process group with tag :data:`USER_TAG`, so user
-    messages never meet collective ones and need no particular order relative to collectives.
-    Other devices use the engine's own transport (NCCL has no tags), shared with the collectives.
+    own, the mailbox's user channel: our gloo transport on the group's process group with its own
+    tag (:data:`~collectives.mailbox.USER_TAG`), so user messages never meet collective ones and
+    need no particular order relative to collectives. Other devices use the engine's own transport
+    (NCCL has no tags), shared with the collectives.
     """
     engine = g.engine(tensor.device, name)  # also checks that the backend takes this device
     if tensor.device.type != "cpu":
@@ -156,11 +167,7 @@ def _wire(g: Group, tensor: torch.Tensor, name: str) -> Transport:
         if transport is None:
             raise ValueError(f"{name}: the {g.backend} backend has no transport for {tensor.device} tensors")
         return transport
-    box = g.mailbox
-    with box.lock:  # one channel even when two threads send at once: pairs are ordered per channel
-        if "cpu" not in box.channels:
-            box.channels["cpu"] = TorchP2PTransport(g.process_group, get_rank(g), g.timeout, tag=USER_TAG)
-        return box.channels["cpu"]
+    return g.mailbox.user_channel()
 
 
 # ---------------------------------------------------------------------------- posting
@@ -182,13 +189,7 @@ def _finish_send(work: P2PWork, transport: Transport, requests: list[Request], n
 
 
 def _finish_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
-    box = g.mailbox
-
-    def complete() -> None:
-        box.settle(until=rec)
-        rec.complete()
-
-    work._complete = complete
+    work._complete = lambda: g.mailbox.complete(rec)
 
 
 def isend(
@@ -215,20 +216,20 @@ def send(
     _send(tensor, dst, group, tag, group_dst, "send", async_op=False).wait()
 
 
-def _prepare(tensor, group, tag, what: str, rank, group_rank, name: str):
-    """Check a point-to-point call before any traffic: its group, peer (group rank and global rank),
-    tag and the transport that will carry it; returns them with a fresh handle."""
+def _prepare(tensor, group, tag, name: str):
+    """Check a point-to-point call before any traffic: its group, tensor and tag, and the transport
+    that will carry it."""
     g = get_group(group, name)
     validate.tensor(tensor, name)
-    peer, global_rank = g.peer(name, what, rank, group_rank)
     tag = _check_tag(tag, name)
-    transport = _wire(g, tensor, name)
-    g.check_usable(name)
-    return g, peer, global_rank, tag, transport, P2PWork(name, g)
+    return g, tag, _wire(g, tensor, name)
 
 
 def _send(tensor, dst, group, tag, group_dst, name: str, async_op: bool) -> P2PWork:
-    g, peer, _, tag, transport, work = _prepare(tensor, group, tag, "dst", dst, group_dst, name)
+    g, tag, transport = _prepare(tensor, group, tag, name)
+    peer, _ = g.peer(name, "dst", dst, group_dst)
+    g.check_usable(name)
+    work = P2PWork(name, g)
 
     def post() -> None:
         _finish_send(work, transport, _post_send(transport, tensor, peer, tag, name), name)
@@ -243,8 +244,9 @@ def irecv(
 ) -> Work | None:
     """Receive into ``tensor`` from global rank ``src`` (or group rank ``group_src``); returns a handle.
 
-    ``src`` is required (no any-source receive). Read ``tensor`` only after ``wait()``. On a rank
-    outside ``group``: nothing (``None``, with torch's warning).
+    Without ``src`` / ``group_src``: from any rank (the module docstring); the handle's
+    ``source_rank()`` then names the sender after ``wait()``. Read ``tensor`` only after ``wait()``.
+    On a rank outside ``group``: nothing (``None``, with torch's warning).
     """
     if is_non_member(group):
         return member(group, "irecv")  # warns; None
@@ -255,32 +257,38 @@ def recv(
     tensor: torch.Tensor, src: int | None = None, group: Group | NonMember | None = None, tag: int = 0,
     group_src: int | None = None,
 ) -> int:
-    """Receive into ``tensor`` from global rank ``src`` (or group rank ``group_src``); returns ``src``.
+    """Receive into ``tensor`` from global rank ``src`` (or group rank ``group_src``); returns the
+    sender's global rank. Without either: from any rank (the module docstring).
 
     On a rank outside ``group``: nothing; returns -1 (with torch's warning).
     """
     if is_non_member(group):
         member(group, "recv")  # warns
         return -1
-    work, source = _recv(tensor, src, group, tag, group_src, "recv", async_op=False)
+    work, rec = _recv(tensor, src, group, tag, group_src, "recv", async_op=False)
     work.wait()
-    return source
+    assert rec.src is not None  # the wait took a message
+    return rec.src
 
 
-def _recv(tensor, src, group, tag, group_src, name: str, async_op: bool) -> tuple[P2PWork, int]:
-    g, peer, source, tag, transport, work = _prepare(tensor, group, tag, "src", src, group_src, name)
+def _recv(tensor, src, group, tag, group_src, name: str, async_op: bool) -> tuple[P2PWork, Incoming]:
+    g, tag, transport = _prepare(tensor, group, tag, name)
+    peer, source = g.source(name, src, group_src)
+    if peer is None and tensor.device.type != "cpu":
+        raise ValueError(
+            f"{name}: no any-source receive of {tensor.device} tensors on the {g.backend} backend (its wire "
+            "is shared with the collectives, where a receive left posted would take their messages); pass src"
+        )
+    g.check_usable(name)
     rec = Incoming(transport, tensor, peer, source, tag, name)
+    work = P2PWork(name, g, rec)
 
     def post() -> None:
-        box = g.mailbox
-        box.settle(peer_of=rec)  # earlier receives from this peer claim their payloads first
-        with transport.operation(name):
-            rec.head_request = transport.irecv(rec.head, peer)
-        box.add(rec)
+        g.mailbox.post(rec)
         _finish_recv(work, g, rec)
 
     g.enqueue(work, post, async_op)
-    return work, source
+    return work, rec
 
 
 class _Batch(Work):
@@ -296,12 +304,18 @@ class _Batch(Work):
             w.finish(error)
 
 
+#: one send of a batch: its handle, tensor, peer (group rank) and tag.
+_Send = tuple[P2PWork, torch.Tensor, int, int]
+
+
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Post every send and receive of the list together; returns one handle per op, in order.
 
-    All ops must use the same group and device. The headers of the whole batch are exchanged in one
-    post, then the payloads in another, so two ranks can exchange messages on every backend
-    (NCCL included). The group's queue waits for the headers of the batch's receives.
+    All ops must use the same group and device, and name their peers. On CPU the sends and
+    receives are posted as ``isend`` / ``irecv`` post them. On a wire shared with the collectives
+    (NCCL) the headers of the whole batch are exchanged in one post, then the payloads in another
+    (one NCCL group each), so two ranks can exchange messages there too; the group's queue then
+    waits for the headers of the batch's receives.
     """
     name = "batch_isend_irecv"
     if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
@@ -316,50 +330,61 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         member(p2p_op_list[0].group, name)  # warns
         return []
     g = get_group(p2p_op_list[0].group)
-    sends: list[tuple[torch.Tensor, int, int]] = []
-    recs: list[Incoming] = []
     for op in p2p_op_list:
         validate.tensor(op.tensor, name)
-        tag = _check_tag(op.tag, name)
-        if op.kind == "isend":
-            sends.append((op.tensor, g.peer(name, "dst", op.peer, op.group_peer)[0], tag))
-        else:
-            peer, source = g.peer(name, "src", op.peer, op.group_peer)
-            recs.append(Incoming(_wire(g, op.tensor, name), op.tensor, peer, source, tag, name))
     devices = {op.tensor.device for op in p2p_op_list}
     if len(devices) != 1:
         raise ValueError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
     transport = _wire(g, p2p_op_list[0].tensor, name)
+    sends: list[_Send] = []
+    recvs: list[tuple[P2PWork, Incoming]] = []
+    works: list[P2PWork] = []
+    for op in p2p_op_list:
+        tag = _check_tag(op.tag, name)
+        if op.kind == "isend":
+            works.append(P2PWork(name, g))
+            sends.append((works[-1], op.tensor, g.peer(name, "dst", op.peer, op.group_peer)[0], tag))
+        else:
+            peer, source = g.peer(name, "src", op.peer, op.group_peer)
+            rec = Incoming(transport, op.tensor, peer, source, tag, name)
+            works.append(P2PWork(name, g, rec))
+            recvs.append((works[-1], rec))
     g.check_usable(name)
-    works = [P2PWork(name, g) for _ in p2p_op_list]
-
-    def post() -> None:
-        box = g.mailbox
-        for rec in recs:
-            box.settle(peer_of=rec)
-        payloads = [(t.contiguous().view(-1), peer) for t, peer, _ in sends]
-        with transport.operation(name):
-            heads = transport.post(
-                sends=[(header(tag, t), peer) for t, peer, tag in sends], recvs=[(rec.head, rec.peer) for rec in recs]
-            )
-            for rec, request in zip(recs, heads):
-                rec.head_request = request
-            incoming = [(rec, rec.check()) for rec in recs]
-            posted = [(rec, m) for rec, m in incoming if m is not None]
-            out = [(b, p) for b, p in payloads if b.numel()]
-            requests = transport.post(sends=out, recvs=[m for _, m in posted])
-        for (rec, _), request in zip(posted, requests):
-            rec.payload = request
-        send_requests = iter(heads[len(recs) :])
-        data_requests = iter(requests[len(posted) :])
-        rec_iter = iter(recs)
-        for op, work in zip(p2p_op_list, works):
-            if op.kind == "isend":
-                mine = [next(send_requests)] + ([next(data_requests)] if op.tensor.numel() else [])
-                _finish_send(work, transport, mine, name)
-            else:
-                rec = next(rec_iter)
-                work._complete = rec.complete
-
-    g.enqueue(_Batch(works), post, async_op=True)
+    post = _post_each if p2p_op_list[0].tensor.device.type == "cpu" else _post_grouped
+    g.enqueue(_Batch(works), lambda: post(g, transport, sends, recvs), async_op=True)
     return list(works)
+
+
+def _post_each(g: Group, transport: Transport, sends: list[_Send], recvs: list[tuple[P2PWork, Incoming]]) -> None:
+    """A batch on the user channel: each send and receive as ``isend`` / ``irecv`` post them."""
+    name = "batch_isend_irecv"
+    for work, tensor, peer, tag in sends:
+        _finish_send(work, transport, _post_send(transport, tensor, peer, tag, name), name)
+    for work, rec in recvs:
+        g.mailbox.post(rec)
+        _finish_recv(work, g, rec)
+
+
+def _post_grouped(g: Group, transport: Transport, sends: list[_Send], recvs: list[tuple[P2PWork, Incoming]]) -> None:
+    """A batch on a wire shared with the collectives: headers in one post, payloads in another."""
+    name = "batch_isend_irecv"
+    g.mailbox.settle_shared()  # earlier receives on this wire take their messages first
+    heads = [torch.empty(3, dtype=torch.int64) for _ in recvs]
+    with transport.operation(name):
+        requests = transport.post(
+            sends=[(header(tag, t), peer) for _, t, peer, tag in sends],
+            recvs=[(head, rec.peer) for head, (_, rec) in zip(heads, recvs)],
+        )
+        wait_all(requests[: len(recvs)])
+        expected = [(rec, rec.expect(rec.peer, rec.src, head.tolist())) for head, (_, rec) in zip(heads, recvs)]
+        posted = [(rec, m) for rec, m in expected if m is not None]
+        out = [(b, p) for b, p in ((t.contiguous().view(-1), peer) for _, t, peer, _ in sends) if b.numel()]
+        data = transport.post(sends=out, recvs=[m for _, m in posted])
+    for (rec, _), request in zip(posted, data):
+        rec.payload = request
+    header_sends, data_sends = iter(requests[len(recvs) :]), iter(data[len(posted) :])
+    for work, tensor, _, _ in sends:
+        mine = [next(header_sends)] + ([next(data_sends)] if tensor.numel() else [])
+        _finish_send(work, transport, mine, name)
+    for work, rec in recvs:
+        work._complete = rec.complete

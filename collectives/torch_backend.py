@@ -39,10 +39,10 @@ an exception object as gradients. Future callbacks may issue and wait on collect
 PowerSGD hook does): they run on the communication thread, and a collective issued there runs at
 once (see :mod:`collectives.work`).
 
-Refused, with a clear error: ``recv_anysource`` (our wire matches messages by sender; there is
-no any-source receive), ``PREMUL_SUM`` and the bitwise reduce ops, and torch's
-``monitored_barrier`` (torch allows it on gloo only; ``collectives``' own ``monitored_barrier``
-runs on any backend). The backend is registered for ``cpu``, but a Python process group replaces
+Any-source receives (``recv_anysource``, CPU tensors) run on ours as gloo runs them. Refused,
+with a clear error: ``PREMUL_SUM`` and the bitwise reduce ops, and torch's ``monitored_barrier``
+(torch allows it on gloo only; ``collectives``' own ``monitored_barrier`` runs on any backend).
+The backend is registered for ``cpu``, but a Python process group replaces
 torch's ``ProcessGroup`` object, so it cannot be one entry of a per-device string such as
 ``"cpu:ringddp,cuda:nccl"``, and CUDA tensors handed to it go to the group's engine for CUDA:
 under ``auto`` our ``nccl-cupy`` (CuPy, one GPU per rank); without CuPy that engine raises the
@@ -119,6 +119,16 @@ class RingddpWork(dist.Work):
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
+
+    def _source_rank(self) -> int:
+        """The sender's group rank, for a receive (what ``dist.recv`` returns, made global, when it
+        was given no ``src``); -1 before ``wait`` for an any-source one."""
+        sources = [w for w in self._works if isinstance(w, p2p.P2PWork)]
+        if len(sources) != 1:
+            raise RuntimeError("_source_rank: only the handle of a receive has a source rank")
+        return sources[0].source_rank()
+
+    source_rank = _source_rank
 
     def is_success(self) -> bool:
         return all(w.is_success() for w in self._works)
@@ -334,10 +344,10 @@ class RingddpProcessGroup(dist.ProcessGroup):
     abort = shutdown
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> RingddpWork:
-        raise ValueError(
-            f"recv: backend '{NAME}' has no any-source receive (messages are matched by sender and "
-            "order); pass src= (the sender's rank)"
-        )
+        """``recv`` / ``irecv`` without ``src``: the first message from any rank (``collectives.p2p``);
+        the handle's ``_source_rank()`` names the sender once waited for."""
+        t = _one(tensors, "recv")
+        return _work(p2p.irecv(t, group=self.group, tag=tag), [t])
 
 
 def create(opts: Any, pg_options: Options | None = None) -> RingddpProcessGroup:

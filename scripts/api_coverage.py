@@ -94,8 +94,8 @@ MISSING: dict[str, str] = {
 
 #: Where a supported name behaves differently from torch's (all differences raise, none is silent).
 NOTES: dict[str, str] = {
-    "recv": "`src` required (no any-source receive); tags checked, not used to reorder",
-    "irecv": "`src` required; see `recv`",
+    "recv": "without `src`: the first message from any rank whose tag matches (first come, first served; CPU tensors); tags checked, not used to reorder",
+    "irecv": "see `recv`; the handle's `source_rank()` / `_source_rank()` names the sender",
     "send": "tags checked at the receiver, not used to reorder; non-contiguous tensors accepted",
     "isend": "see `send`",
     "batch_isend_irecv": "all ops on one group and device",

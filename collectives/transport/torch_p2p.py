@@ -27,15 +27,22 @@ from .base import GroupInfo, Peer, Request, Transport
 MISMATCH_GRACE = 1.0
 
 
-class TorchP2PRequest(Request):
-    __slots__ = ("_work", "_transport", "_kind", "_peer", "_done")
+#: how long a probe's wait may block, as far as gloo is concerned: unbounded.
+FOREVER = datetime.timedelta(days=3650)
 
-    def __init__(self, work: dist.Work, transport: "TorchP2PTransport", kind: str, peer: Peer):
+
+class TorchP2PRequest(Request):
+    __slots__ = ("_work", "_transport", "_kind", "_peer", "_done", "_timeout")
+
+    def __init__(
+        self, work: dist.Work, transport: "TorchP2PTransport", kind: str, peer: Peer, timeout: datetime.timedelta | None = None
+    ):
         self._work = work
         self._transport = transport
         self._kind = kind
         self._peer = peer
         self._done = False
+        self._timeout = transport.wait_timeout if timeout is None else timeout
 
     def wait(self) -> None:
         if self._done:
@@ -43,7 +50,7 @@ class TorchP2PRequest(Request):
         if self._transport.headers_pending():
             self._transport.check_headers()  # never trust a payload before the headers matched
         try:
-            self._work.wait(self._transport.wait_timeout)
+            self._work.wait(self._timeout)
         except RuntimeError as exc:
             raise self._transport.error(exc, self._kind, self._peer) from exc
         self._done = True
@@ -172,3 +179,13 @@ class TorchP2PTransport(Transport):
 
     def irecv(self, tensor: torch.Tensor, peer: Peer) -> Request:
         return TorchP2PRequest(self._post(self._pg.recv, tensor, peer, self._tag(tensor), "recv"), self, "recv", peer)
+
+    def probe(self, tensor: torch.Tensor, peer: Peer) -> Request:
+        """Post a receive like :meth:`irecv` whose ``wait`` has *no* deadline: it may stay posted
+        with nobody waiting for it, and takes whatever ``peer`` sends next on this channel. A gloo
+        wait that times out closes every connection of the process group, so a receive that may
+        legitimately wait forever must not have one; its user enforces deadlines itself. Only on
+        a channel of its own (no collective traffic): user point-to-point reads its headers this
+        way (``collectives/mailbox.py``). A dead peer still fails the wait."""
+        work = self._post(self._pg.recv, tensor, peer, self._tag(tensor), "recv")
+        return TorchP2PRequest(work, self, "recv", peer, FOREVER)

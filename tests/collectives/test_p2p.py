@@ -6,6 +6,8 @@ pool's gloo process group) and once with ``collectives``; the results must be id
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as tdist
@@ -209,7 +211,6 @@ def our_extra_checks(rank, world_size):
         lambda: collectives.send(t, dst=world_size),  # torch: store timeout
         lambda: collectives.send(t, dst=-1),
         lambda: collectives.send(t, group_dst=world_size),
-        lambda: collectives.recv(t),  # torch: any-source receive; ours: not supported
         lambda: collectives.batch_isend_irecv([]),
         lambda: collectives.batch_isend_irecv([1]),
         lambda: collectives.P2POp(collectives.all_reduce, t, 0),
@@ -246,7 +247,7 @@ def test_bad_arguments(pools):
         assert theirs.pop("recv_self") == "RuntimeError" and ours.pop("recv_self") == "ValueError"
         assert ours == theirs
     for rank, (kinds, y) in enumerate(pool.run(our_extra_checks)):
-        assert kinds == ["ValueError"] * 5 + ["TypeError", "ValueError", "TypeError", "RuntimeError"], kinds
+        assert kinds == ["ValueError"] * 4 + ["TypeError", "ValueError", "TypeError", "RuntimeError"], kinds
         assert y == [float(1 - rank)] * 2
 
 
@@ -295,3 +296,170 @@ def test_torch_backend():
     for rank, (out, objs) in enumerate(results):
         assert out == _seq((rank - 1) % 3, dtype=torch.int64).tolist()
         assert objs == [{"from": 0}]
+
+
+# ---------------------------------------------------------------------------- any-source receives
+
+#: the ways a scenario calls point-to-point: torch on the pool's gloo world (the oracle), ours on
+#: the world (p2p) and on a shm group, torch's functions on a ringddp group.
+WAYS = ("gloo", "p2p", "shm", "ringddp")
+
+
+def _api(way: str, members: list[int] | None = None):
+    """(module, group) of ``way``: a group of ``members`` (every rank must call), or the world."""
+    lib = tdist if way in ("gloo", "ringddp") else collectives
+    if way == "gloo":
+        return lib, None if members is None else tdist.new_group(members)
+    if way == "p2p":
+        return lib, None if members is None else collectives.new_group(members)
+    backend = {"shm": "shm", "ringddp": "ringddp"}[way]
+    return lib, lib.new_group(members, backend=backend)
+
+
+def any_source(rank, world_size, way):
+    """Any-source receives with several senders, tags, async handles, a receive from a given rank
+    posted first, a subgroup; what gloo and ours must agree on (the order across senders is not
+    theirs to agree on, the order from one sender is)."""
+    dist, g = _api(way)
+    out = {}
+    sends = []  # every rank sends every other rank 100r, 100r+1 (tag 0), then 100r+50 (tag 5)
+    for q in range(world_size):
+        if q != rank:
+            sends += [dist.isend(torch.full((3,), 100.0 * rank + i), dst=q, group=g) for i in range(2)]
+            sends.append(dist.isend(torch.full((3,), 100.0 * rank + 50), dst=q, group=g, tag=5))
+    fives = [(dist.irecv(t, group=g, tag=5), t) for t in [torch.zeros(3) for _ in range(world_size - 1)]]
+    by_sender: dict[int, list[float]] = {}
+    for _ in range(2 * (world_size - 1)):  # tag 0: blocking, posted after the tag-5 handles
+        t = torch.zeros(3)
+        src = dist.recv(t, group=g)
+        assert t.eq(t[0]).all() and int(t[0]) // 100 == src, (src, t)
+        by_sender.setdefault(src, []).append(t[0].item())
+    out["tag 0 per sender, in order"] = sorted(by_sender.items())
+    for w, _ in fives:
+        w.wait()
+    out["tag 5 (source_rank, value)"] = sorted((w._source_rank(), t[0].item()) for w, t in fives)
+    for w in sends:
+        w.wait()
+
+    last = world_size - 1  # rank 0: a receive from `last`, then an any-source one; `last` sends twice
+    if rank == 0:  # (tag 7: a receive above still waiting for another sender must not take these)
+        a, b = torch.zeros(2), torch.zeros(2)
+        works = [dist.irecv(a, src=last, group=g, tag=7), dist.irecv(b, group=g, tag=7)]
+        for w in works:
+            w.wait()
+        out["given, then any"] = (a.tolist(), b.tolist(), works[1]._source_rank())
+    elif rank == last:
+        for v in (1.0, 2.0):
+            dist.send(torch.full((2,), v), dst=0, group=g, tag=7)
+
+    if world_size >= 3:  # on a group of ranks 1.., its first member receives from any other: global ranks
+        members = list(range(1, world_size))
+        sub_dist, sub = _api(way, members)
+        if rank == 1:
+            got = []
+            for _ in range(world_size - 2):
+                got.append(sub_dist.recv(t := torch.zeros(1, dtype=torch.int64), group=sub))
+                assert t.item() == got[-1]
+            out["subgroup"] = sorted(got)
+        elif rank > 1:
+            sub_dist.send(torch.tensor([rank]), dst=1, group=sub)
+    return out
+
+
+def fairness(rank, world_size):
+    """Rank 1 has 12 messages for rank 0, rank 2 one (then one of tag 9). Rank 0 first lets both
+    senders' first headers arrive (its any-source receive of tag 9 makes both streams read, and
+    matches neither), then makes 13 any-source receives: the first or the second takes rank 2's
+    message (first come, first served; gloo serves the lowest rank with a message waiting first,
+    so rank 2's would come last)."""
+    if rank == 0:
+        late = collectives.irecv(torch.zeros(1), tag=9)
+        time.sleep(1.0)  # both first headers arrive, and wait: tag 0
+        order = [collectives.recv(torch.zeros(1)) for _ in range(13)]
+        late.wait()
+        return order.index(2), late.source_rank()
+    works = [collectives.isend(torch.full((1,), float(rank)), dst=0) for _ in range(12 if rank == 1 else 1)]
+    if rank == 2:
+        works.append(collectives.isend(torch.zeros(1), dst=0, tag=9))
+    for w in works:
+        w.wait()
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_any_source_receive_matches_gloo(pools, world_size):
+    pool = pools(world_size)
+    expected = pool.run(any_source, "gloo")
+    for way in WAYS[1:]:
+        assert pool.run(any_source, way) == expected, way
+    if world_size == 3:
+        position, late = pool.run(fairness)[0]
+        assert position in (0, 1) and late == 2, (position, late)
+
+
+#: what torch's own tests expect of a timeout's message (distributed_test.py, _test_barrier_timeout).
+TORCH_TIMEOUT = " (Timed out|closed|timeout) "
+
+
+def any_source_failures(rank, world_size, tmp):
+    """Rank 0, while the others stay silent: torch's test_barrier_timeout_full_group (a barrier on a
+    ringddp group the others never join), an any-source recv nobody answers through collectives,
+    and one through torch's recv on a ringddp group (2 s deadlines); then an any-source recv whose
+    sender rank 2 dies (SIGKILL; rank 1 stays silent; a 60 s deadline). Outcomes go to a file:
+    the launch itself fails (rank 2 died)."""
+    import datetime
+    import json
+    import os
+    import signal
+
+    deadline = datetime.timedelta(seconds=2)
+    silent = [tdist.new_group(backend="ringddp", timeout=deadline), collectives.new_group(timeout=2.0),
+              tdist.new_group(backend="ringddp", timeout=deadline)]  # fmt: skip
+    dying = collectives.new_group(timeout=60.0)
+    outcomes = {}
+
+    def attempt(key, call):
+        start = time.monotonic()
+        try:
+            call()
+            outcomes[key] = ["no error"]
+        except Exception as exc:  # noqa: BLE001 - what it raised is the result
+            chained = exc.__context__ is not None and not exc.__suppress_context__  # "During handling ..."
+            outcomes[key] = [type(exc).__name__, str(exc), time.monotonic() - start, chained]
+
+    if rank == 0:
+        attempt("barrier", lambda: tdist.barrier(silent[0]))
+        attempt("collectives recv", lambda: collectives.recv(torch.zeros(2), group=silent[1]))
+        attempt("torch recv", lambda: tdist.recv(torch.zeros(2), group=silent[2]))
+        attempt("dead sender", lambda: collectives.irecv(torch.zeros(2), group=dying).wait())
+        with open(os.path.join(tmp, "0.json"), "w") as f:
+            json.dump(outcomes, f)
+    else:
+        time.sleep(3 * 2.0 + 2.0)  # silent through rank 0's three deadlines
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10.0)  # rank 1 stays connected: rank 0 must name rank 2
+
+
+@pytest.mark.timeout(240)
+def test_any_source_failures_are_clear_and_prompt():
+    import json
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with pytest.raises(collectives.LaunchError, match="rank 2 died"):
+            collectives.launch(any_source_failures, 3, tmp, timeout=60, join_timeout=180)
+        with open(f"{tmp}/0.json") as f:
+            outcomes = json.load(f)
+    for key in ("barrier", "collectives recv", "torch recv"):
+        kind, message, seconds, chained = outcomes[key]
+        assert kind == "CollectiveTimeoutError" and re.search(TORCH_TIMEOUT, message), (key, message)
+        assert not chained and 2.0 - 0.1 <= seconds < 6.0, (key, seconds)
+    assert "barrier" in outcomes["barrier"][1] and "rank 1" in outcomes["barrier"][1]
+    for key in ("collectives recv", "torch recv"):
+        assert "recv from any rank" in outcomes[key][1] and "[1, 2]" in outcomes[key][1], outcomes[key]
+    kind, message, seconds, _ = outcomes["dead sender"]
+    assert kind == "CollectiveError" and "recv from any rank: rank 2 failed" in message, message
+    assert seconds < 30.0  # found when rank 2 died (about 2 s after the call), not at the 60 s deadline
