@@ -7,21 +7,17 @@ docs/api-coverage.md); nothing here runs a benchmark.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
+
+from tests import script_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("benchmarks", ROOT / "scripts" / "benchmarks.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks the module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return script_modules.load("benchmarks")
 
 
 def test_every_suite_is_stored_with_its_command():

@@ -9,10 +9,10 @@ edit that sits where the tests never go (the line a fast path above it made dead
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
-import sys
 from pathlib import Path
+
+from tests import script_modules
 
 import pytest
 
@@ -21,11 +21,7 @@ ONE_RANK = "tests/collectives/test_p2p.py::test_world_of_one"  # one spawned ran
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("mutants", ROOT / "scripts" / "mutants.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks the module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return script_modules.load("mutants")
 
 
 def test_every_anchor_occurs_once_and_every_edit_marks_itself():
