@@ -115,10 +115,13 @@ def all_reduce(
 
     The result is bitwise identical on every rank. ``algorithm``: ``"ring"`` (bandwidth-optimal,
     ``2(n-1)α + 2(n-1)/n·Sβ``), ``"recursive_doubling"`` (latency-optimal, ``log2(n)(α + Sβ)``),
-    or ``"auto"`` (by size).
+    or ``"auto"`` (by size). A sparse COO ``tensor`` is summed as gloo sums it
+    (:func:`_all_reduce_sparse`).
     """
     name = "all_reduce"
     op = ReduceOp.coerce(op)
+    if isinstance(tensor, torch.Tensor) and tensor.layout is torch.sparse_coo:
+        return _all_reduce_sparse(tensor, op, group, async_op, algorithm)
     validate.tensor(tensor, name)
     if (g := member(group, name)) is None:
         return None
@@ -133,6 +136,76 @@ def all_reduce(
             engine.all_reduce(buf, op, algorithm)
 
     return g.submit(name, run, async_op, debug.signature(name, tensor, op), [tensor], algorithm=algorithm)
+
+
+#: dtypes of sparse all-reduce: gloo's (torch adds sparse tensors of these, not float16 or bool).
+SPARSE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.int8)
+
+
+def _all_reduce_sparse(
+    tensor: torch.Tensor, op: ReduceOp, group: Group | NonMember | None, async_op: bool, algorithm: str
+) -> Work | None:
+    """Sum a sparse COO ``tensor`` over the group, as gloo does: every rank coalesces its tensor,
+    the ranks all-gather their sizes, indices and values (padded to the largest count), and every
+    rank coalesces the union, in rank order; ``tensor`` then holds the result (coalesced; the
+    same bits on every rank). Four all-gathers, the last two of ``n·max(nnz)`` entries; ranks
+    whose tensors differ in shape, dimensions or dtype raise ``ValueError`` on every rank."""
+    name = "all_reduce"
+    if op != ReduceOp.SUM:
+        raise ValueError(f"{name}: sparse tensors are reduced with ReduceOp.SUM only (as with gloo), not {op.name}")
+    if tensor.dtype not in SPARSE_DTYPES:
+        raise TypeError(
+            f"{name}: sparse tensors of dtype {tensor.dtype} cannot be summed (torch has no sparse addition "
+            f"for it); supported: {[str(d) for d in SPARSE_DTYPES]}"
+        )
+    _check_algorithm(algorithm, ("auto",), f"{name} (sparse)")
+    _check_async(async_op, name)
+    if (g := member(group, name)) is None:
+        return None
+    g.engine(tensor.device, name)  # the backend takes this device: raises before any traffic
+
+    def run() -> None:
+        local = tensor.coalesce()
+        n, dev = g.size(), tensor.device
+        mine = [local.sparse_dim(), local.dense_dim(), SPARSE_DTYPES.index(tensor.dtype), local.dim()]
+        metas = torch.zeros(n * 5, dtype=torch.int64, device=dev)
+        all_gather_into_tensor(metas, torch.tensor(mine + [local._nnz()], device=dev), g)
+        rows = metas.view(n, 5).tolist()
+        _same_sparse(name, g.rank(), [f"sparse_dim={s} dense_dim={d} dtype={SPARSE_DTYPES[c]} dims={k}" for s, d, c, k, _ in rows])
+        shapes = torch.zeros(n * local.dim(), dtype=torch.int64, device=dev)
+        all_gather_into_tensor(shapes, torch.tensor(local.shape, dtype=torch.int64, device=dev), g)
+        _same_sparse(name, g.rank(), [f"shape {tuple(s)}" for s in shapes.view(n, -1).tolist()])
+        counts = [r[4] for r in rows]
+        width = max(counts)
+        indices = torch.zeros(n, local.sparse_dim(), width, dtype=torch.int64, device=dev)
+        values = torch.zeros((n, width) + tuple(local.shape[local.sparse_dim() :]), dtype=tensor.dtype, device=dev)
+        if width:
+            mine_i, mine_v = indices[g.rank()].clone(), values[g.rank()].clone()
+            mine_i[:, : local._nnz()], mine_v[: local._nnz()] = local._indices(), local._values()
+            all_gather_into_tensor(indices, mine_i, g)
+            all_gather_into_tensor(values, mine_v, g)
+        union = torch.sparse_coo_tensor(
+            torch.cat([indices[r, :, : counts[r]] for r in range(n)], dim=1),
+            torch.cat([values[r, : counts[r]] for r in range(n)]),
+            local.shape,
+        )
+        tensor.copy_(union.coalesce())
+
+    if async_op:  # the gathers run on the communication thread, inline, in this call's place
+        return g.enqueue(Work(name, [tensor]), run, True)
+    run()
+    return None
+
+
+def _same_sparse(name: str, rank: int, described: list[str]) -> None:
+    """Raise ``ValueError`` if the ranks' sparse tensors, ``described`` by rank, differ (on every
+    rank alike: they all compare the same gathered metadata)."""
+    if len(set(described)) > 1:
+        others = "; ".join(f"rank {q}: {d}" for q, d in enumerate(described) if d != described[rank])
+        raise ValueError(
+            f"{name}: the ranks' sparse tensors differ: this rank ({rank}) has {described[rank]}; {others}. "
+            "Every rank must pass a tensor of the same shape, dimensions and dtype"
+        )
 
 
 def broadcast(

@@ -339,7 +339,9 @@ class Group:
     def enqueue(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
         """Run ``fn`` in the group's queue order, like :meth:`submit` but without the checks made
         for collectives (DETAIL agreement, wire header, trace span): user point-to-point posts
-        its messages this way (``collectives/p2p.py``). ``work`` completes when ``fn`` has run;
+        its messages this way (``collectives/p2p.py``), and an async call made of collectives
+        runs them (sparse all-reduce: on the communication thread each runs inline, in this
+        call's place, with its own checks). ``work`` completes when ``fn`` has run;
         it fails at once if the group broke before its turn, and a :class:`CollectiveError`
         inside ``fn`` breaks the group."""
 

@@ -39,14 +39,15 @@ an exception object as gradients. Future callbacks may issue and wait on collect
 PowerSGD hook does): they run on the communication thread, and a collective issued there runs at
 once (see :mod:`collectives.work`).
 
-Any-source receives (``recv_anysource``, CPU tensors) run on ours as gloo runs them. Refused,
-with a clear error: ``PREMUL_SUM`` and the bitwise reduce ops, and torch's ``monitored_barrier``
-(torch allows it on gloo only; ``collectives``' own ``monitored_barrier`` runs on any backend).
-The backend is registered for ``cpu``, but a Python process group replaces
-torch's ``ProcessGroup`` object, so it cannot be one entry of a per-device string such as
-``"cpu:ringddp,cuda:nccl"``, and CUDA tensors handed to it go to the group's engine for CUDA:
-under ``auto`` our ``nccl-cupy`` (CuPy, one GPU per rank); without CuPy that engine raises the
-install hint, and a CPU-only transport chosen explicitly a ``ValueError``, before any traffic.
+Any-source receives (``recv_anysource``, CPU tensors) and sparse all-reduce (COO, SUM) run on
+ours as gloo runs them. Refused, with a clear error: ``PREMUL_SUM`` and the bitwise reduce ops,
+other reduce ops on sparse tensors, and torch's ``monitored_barrier`` (torch allows it on gloo
+only; ``collectives``' own ``monitored_barrier`` runs on any backend). The backend is registered
+for ``cpu``, but a Python process group replaces torch's ``ProcessGroup`` object, so it cannot be
+one entry of a per-device string such as ``"cpu:ringddp,cuda:nccl"``, and CUDA tensors handed to
+it go to the group's engine for CUDA: under ``auto`` our ``nccl-cupy`` (CuPy, one GPU per rank);
+without CuPy that engine raises the install hint, and a CPU-only transport chosen explicitly a
+``ValueError``, before any traffic.
 """
 
 from __future__ import annotations

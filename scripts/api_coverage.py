@@ -96,6 +96,7 @@ MISSING: dict[str, str] = {
 NOTES: dict[str, str] = {
     "recv": "without `src`: the first message from any rank whose tag matches (first come, first served; CPU tensors); tags checked, not used to reorder",
     "irecv": "see `recv`; the handle's `source_rank()` / `_source_rank()` names the sender",
+    "all_reduce": "sparse COO tensors: SUM only, as gloo (coalesced result)",
     "send": "tags checked at the receiver, not used to reorder; non-contiguous tensors accepted",
     "isend": "see `send`",
     "batch_isend_irecv": "all ops on one group and device",

@@ -121,3 +121,74 @@ def torch_compat(rank, world_size):
 def test_accepts_torch_reduce_ops(pools):
     for t, u in pools(2).run(torch_compat):
         assert t == [2.0, 1.0] and u == 9
+
+
+# ---------------------------------------------------------------------------- sparse tensors
+
+
+def _sparse_cases(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Random COO tensors of this rank: duplicate indices, a rank (or every rank) with none,
+    different counts per rank, hybrid (dense) dimensions, integer values (exact sums) in four of
+    gloo's dtypes; the same shapes on every rank."""
+    g = torch.Generator().manual_seed(rank)
+    cases = []
+    for seed, (shape, sparse_dim, dtype) in enumerate([
+        ((7,), 1, torch.float32),
+        ((5, 6), 2, torch.float64),
+        ((4, 3, 2), 1, torch.int64),  # values are rows of 3 x 2
+        ((6, 5, 3), 2, torch.bfloat16),
+        ((3, 3), 2, torch.float32),  # empty on every rank
+    ]):
+        nnz = 0 if seed == 4 else int(torch.randint(0, 9, (1,), generator=g)) * (rank != seed % world_size)
+        indices = torch.stack([torch.randint(0, shape[d], (nnz,), generator=g) for d in range(sparse_dim)])
+        values = torch.randint(-9, 10, (nnz,) + shape[sparse_dim:], generator=g).to(dtype)
+        cases.append(torch.sparse_coo_tensor(indices, values, shape))  # uncoalesced: duplicates likely
+    return cases
+
+
+def sparse_sums(rank, world_size, way):
+    """Every case summed by gloo (the pool's world) and by ``way``: ours on the world (p2p), on a
+    shm group, or torch's all_reduce on a ringddp group; odd cases async. Also the refusals."""
+    lib, group = {
+        "p2p": (collectives, None),
+        "shm": (collectives, collectives.new_group(backend="shm")),
+        "ringddp": (tdist, tdist.new_group(backend="ringddp")),
+    }[way]
+    out = []
+    for i, case in enumerate(_sparse_cases(rank, world_size)):
+        ref, ours = case.clone(), case.clone()
+        tdist.all_reduce(ref)
+        handle = lib.all_reduce(ours, group=group, async_op=i % 2 == 1)
+        if handle is not None:
+            handle.wait()
+        ref = ref.coalesce()
+        same = ours.is_coalesced() and torch.equal(ours._indices(), ref._indices()) and torch.equal(ours._values(), ref._values())
+        out.append(same or f"case {i}: ours {ours} gloo {ref}")
+    refused = []
+    for call in (
+        lambda: lib.all_reduce(torch.ones(3).to_sparse(), op=tdist.ReduceOp.MAX, group=group),
+        lambda: lib.all_reduce(torch.ones(3, dtype=torch.float16).to_sparse(), group=group),
+        lambda: lib.all_reduce(torch.ones(2 + rank).to_sparse(), group=group),  # shapes differ across ranks
+    ):
+        try:
+            call()
+            refused.append("no error")
+        except (ValueError, TypeError) as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
+    dense = torch.ones(3)
+    lib.all_reduce(dense, group=group)  # the group is still usable, dense tensors as before
+    return out, refused, dense.tolist()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sparse_all_reduce_matches_gloo(pools, world_size):
+    pool = pools(world_size)
+    for way in ("p2p", "shm", "ringddp"):
+        for rank, (same, refused, dense) in enumerate(pool.run(sparse_sums, way)):
+            assert all(s is True for s in same), (way, rank, same)
+            assert dense == [float(world_size)] * 3
+            max_op, half, shapes = refused
+            assert max_op.startswith("ValueError") and "ReduceOp.SUM only" in max_op, max_op
+            assert half.startswith("TypeError") and "torch.float32" in half, half
+            assert shapes.startswith("ValueError") and "differ" in shapes and f"({2 + rank},)" in shapes, shapes

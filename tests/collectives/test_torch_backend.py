@@ -352,6 +352,8 @@ def refusals(rank: int, world_size: int) -> dict:
     ours, gloo = _groups(world_size)
     out = {}
     for name, call in {
+        "sparse max": lambda: tdist.all_reduce(torch.ones(2).to_sparse(), op=tdist.ReduceOp.MAX, group=ours),
+        "sparse bool": lambda: tdist.all_reduce(torch.ones(2, dtype=torch.bool).to_sparse(), group=ours),
         "premul sum": lambda: tdist.all_reduce(torch.ones(1), op=tdist._make_nccl_premul_sum(2.0), group=ours),
         "bitwise": lambda: tdist.all_reduce(torch.ones(1, dtype=torch.int32), op=tdist.ReduceOp.BAND, group=ours),
         "monitored barrier": lambda: tdist.monitored_barrier(group=ours),
@@ -360,7 +362,7 @@ def refusals(rank: int, world_size: int) -> dict:
         try:
             call()
             out[name] = "no error"
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:
             out[name] = str(exc)
     tdist.barrier(group=ours)  # nothing was sent: the group still works
     for g in (ours, gloo):
@@ -371,6 +373,7 @@ def refusals(rank: int, world_size: int) -> dict:
 @pytest.mark.timeout(120)
 def test_what_is_refused_is_refused_clearly(pools):
     for out in pools(2).run(refusals):
+        assert "ReduceOp.SUM only" in out["sparse max"] and "torch.float32" in out["sparse bool"]
         assert "PREMUL_SUM" in out["premul sum"] and "PREMUL_SUM" in out["bitwise"]
         assert "GLOO" in out["monitored barrier"]  # torch's own refusal
 
