@@ -1,7 +1,9 @@
 """User point-to-point (collectives.p2p) against torch.distributed's own send/recv on the same ranks.
 
 Every scenario runs twice on the same pool: once with ``torch.distributed`` (the oracle, on the
-pool's gloo process group) and once with ``collectives``; the results must be identical.
+pool's gloo process group) and once with ``collectives``; the results must be identical. The
+any-source scenario runs four ways (gloo, ours on p2p and on shm, torch's calls on a ringddp
+group), and its failures (silent and dead senders) in processes of their own.
 """
 
 from __future__ import annotations
