@@ -166,10 +166,11 @@ def _all_reduce_sparse(
 
     def run() -> None:
         local = tensor.coalesce()
+        nnz = local.values().shape[0]
         n, dev = g.size(), tensor.device
         mine = [local.sparse_dim(), local.dense_dim(), SPARSE_DTYPES.index(tensor.dtype), local.dim()]
         metas = torch.zeros(n * 5, dtype=torch.int64, device=dev)
-        all_gather_into_tensor(metas, torch.tensor(mine + [local._nnz()], device=dev), g)
+        all_gather_into_tensor(metas, torch.tensor(mine + [nnz], device=dev), g)
         rows = metas.view(n, 5).tolist()
         _same_sparse(name, g.rank(), [f"sparse_dim={s} dense_dim={d} dtype={SPARSE_DTYPES[c]} dims={k}" for s, d, c, k, _ in rows])
         shapes = torch.zeros(n * local.dim(), dtype=torch.int64, device=dev)
@@ -181,7 +182,7 @@ def _all_reduce_sparse(
         values = torch.zeros((n, width) + tuple(local.shape[local.sparse_dim() :]), dtype=tensor.dtype, device=dev)
         if width:
             mine_i, mine_v = indices[g.rank()].clone(), values[g.rank()].clone()
-            mine_i[:, : local._nnz()], mine_v[: local._nnz()] = local._indices(), local._values()
+            mine_i[:, :nnz], mine_v[:nnz] = local.indices(), local.values()
             all_gather_into_tensor(indices, mine_i, g)
             all_gather_into_tensor(values, mine_v, g)
         union = torch.sparse_coo_tensor(
