@@ -69,6 +69,7 @@ from .compat import (
     reduce_scatter_single,
     supports_complex,
 )
+from .elastic import ElasticGroup, FencedError
 from .errors import CollectiveError, CollectiveTimeoutError
 from .group import (
     Group,
@@ -108,6 +109,8 @@ __all__ = [
     "DistError",
     "DistNetworkError",
     "DistStoreError",
+    "ElasticGroup",
+    "FencedError",
     "FileStore",
     "Group",
     "GroupMember",

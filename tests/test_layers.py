@@ -53,7 +53,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.backends",),
     ("collectives.group",),
     # the public API
-    ("collectives.api", "collectives.launch"),
+    ("collectives.api", "collectives.launch", "collectives.elastic"),
     ("collectives.p2p",),
     ("collectives.objects", "collectives.compat", "collectives.torch_backend"),
     ("collectives",),

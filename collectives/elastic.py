@@ -1,0 +1,362 @@
+"""Groups that survive a member's death: heartbeats, fencing, and re-formed generations (opt-in).
+
+By default a dead or silent peer makes every other rank raise within the group's timeout, and the
+group stays broken (:mod:`collectives.group`): fail fast. An :class:`ElasticGroup` goes further.
+Its members watch each other's heartbeats, and after a failure the survivors re-form the group
+without restarting their processes: a new **generation**, with the same slots filled (a
+replacement process takes the dead member's slot) or with fewer (shrink).
+
+**Slots and members.** A job has ``world_size`` slots (what the training loop calls ranks). The
+process in a slot is a member, with a unique id (``uid``, from a counter in the store): a
+replacement is a new member in the old slot. A generation is a list of members ordered by slot;
+its group rank ``i`` is the ``i``-th of them.
+
+**Heartbeats** (:class:`Heartbeat`). Every member's own thread, on a store connection of its own
+(the main connection may be held by a blocking request of the gloo rendezvous), bumps a counter
+in the store every ``bound / 4`` seconds and reads its peers'. A peer whose counter has not moved
+for ``bound`` seconds (default 2 s) is declared silent: a stopped process (SIGSTOP, a debugger,
+a stuck host) is found this way long before the collective timeout, and a dead one too. The
+watcher then **fences** it: it writes ``fenced/<uid>`` into the store, kills the process if it
+runs on this host (checked by pid *and* start time, so a recycled pid is never hit), and marks
+the current group broken naming the peer. Killing it closes its sockets, so the survivors' waits
+inside a collective end at once (EOF on the shared-memory wake-up sockets, a reset gloo
+connection) instead of at the deadline.
+
+**Re-forming** (:meth:`ElasticGroup.reform`). Each survivor closes the broken generation (its
+threads stop, its shared-memory segments are released) and asks to join the next one by
+appending ``uid:slot`` to that generation's log in the store (an ``add`` gives each entry its
+index). When the wanted slots are all present (or, when shrinking is allowed, when the wait is
+over), a member proposes the membership with ``compare_set`` on the generation's ``members``
+key: the first proposal wins, and every member adopts the one stored, so all agree without a
+leader. Fenced members never enter a proposal.
+
+**Fencing a member that wakes up.** A stopped member that is resumed after it was fenced finds
+``fenced/<uid>`` (its heartbeat thread looks every beat): its group is marked broken with
+:class:`FencedError`, and :meth:`~ElasticGroup.reform` raises it. It can never be read as a
+member of a newer generation (the proposals leave it out), nor write into a newer
+generation's memory: each generation has its own store prefix, gloo connections and
+shared-memory segments, and the survivors unmapped and unlinked the old ones.
+
+**What it needs.** A TCP store whose server outlives the members (the launcher's, or torchrun's
+agent store; not one hosted by a member). Cost when nothing fails: the heartbeat thread's two
+store requests per beat (well under 1 ms each on one host), off the critical path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Sequence
+
+import torch.distributed as dist
+
+from .errors import CollectiveError, CollectiveTimeoutError, timed_out, timeout_seconds
+from .group import Group, host_key
+
+log = logging.getLogger(__name__)
+
+#: default heartbeat bound in seconds: a member silent this long is declared dead
+DEFAULT_BOUND = 2.0
+
+
+class FencedError(CollectiveError):
+    """This member was declared dead by its peers (or left out of a generation): it may not take
+    part in the group any more. Its process should exit; a replacement can take its slot."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Member:
+    """A process in a slot: ``slot`` (its rank in a full world), ``uid`` (unique in the job)."""
+
+    slot: int
+    uid: int
+
+
+def _tcp_store(store: dist.Store) -> dist.TCPStore:
+    """The TCP store under ``store``'s prefixes (heartbeats need a connection of their own)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        raise TypeError(f"ElasticGroup: needs a TCPStore (behind any PrefixStore), got {type(store).__name__}")
+    return store
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class Heartbeat:
+    """A member's heartbeat thread: publishes its own counter, watches the peers', fences the
+    silent ones (module docstring).
+
+    Args:
+        store: a connection of its own to the job's TCP store, under the group's prefix.
+        me: this member.
+        bound: seconds of silence after which a peer is declared dead.
+        kill: kill a silent peer's process if it runs on this host.
+        on_silent: called (on the heartbeat thread) with the member found silent and the reason.
+        on_fenced: called once when this member finds itself fenced.
+    """
+
+    def __init__(self, store: dist.Store, me: Member, bound: float, kill: bool, on_silent, on_fenced):
+        self._store, self.me, self.bound, self._kill = store, me, bound, kill
+        self._on_silent, self._on_fenced = on_silent, on_fenced
+        self._lock = threading.Lock()
+        self._watched: dict[int, Member] = {}
+        self._seen: dict[int, tuple[bytes, float]] = {}  # uid -> (counter, when it last moved)
+        self._beats = 0
+        self._stop = threading.Event()
+        self.beat()  # our key exists before anyone can watch it
+        self._thread = threading.Thread(target=self._run, name=f"ringddp-heartbeat-{me.uid}", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._beats += 1
+        self._store.set(f"hb/{self.me.uid}", str(self._beats))
+
+    def watch(self, members: Sequence[Member]) -> None:
+        """Watch ``members`` (this one excluded) from now on; their silence counts from now."""
+        now = time.monotonic()
+        with self._lock:
+            self._watched = {m.uid: m for m in members if m.uid != self.me.uid}
+            self._seen = {uid: self._seen.get(uid, (b"", now))[:1] + (now,) for uid in self._watched}
+
+    def _run(self) -> None:
+        interval = self.bound / 4
+        while not self._stop.wait(interval):
+            try:
+                self.beat()
+                if self._store.check([f"fenced/{self.me.uid}"]):
+                    self._on_fenced(self._store.get(f"fenced/{self.me.uid}").decode())
+                    return
+                self._look()
+            except Exception as exc:  # the store is gone: the job is ending
+                if not self._stop.is_set():
+                    log.warning("heartbeat of member %d stops: %s", self.me.uid, exc)
+                return
+
+    def _look(self) -> None:
+        with self._lock:
+            watched = list(self._watched.values())
+        if not watched:
+            return
+        counters = self._store.multi_get([f"hb/{m.uid}" for m in watched])
+        now = time.monotonic()
+        for m, counter in zip(watched, counters):
+            with self._lock:
+                if m.uid not in self._seen:
+                    continue  # no longer watched
+                last, since = self._seen[m.uid]
+                if counter != last:
+                    self._seen[m.uid] = (counter, now)
+                    continue
+                if now - since < self.bound:
+                    continue
+                del self._seen[m.uid], self._watched[m.uid]
+            if self._store.check([f"left/{m.uid}"]):
+                continue  # it closed its group: not a failure
+            reason = f"heartbeat: slot {m.slot} (member {m.uid}) silent for {now - since:.1f}s (bound {self.bound:g}s)"
+            self.fence(m, reason)
+            self._on_silent(m, reason)
+
+    def fence(self, m: Member, reason: str) -> None:
+        """Declare ``m`` dead in the store and, if it runs on this host, kill it."""
+        self._store.compare_set(f"fenced/{m.uid}", "", reason)
+        if not self._kill:
+            return
+        host, pid, started = self._store.get(f"proc/{m.uid}").decode().rsplit("|", 2)
+        if host == host_key() and _start_time(int(pid)) == started:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                log.warning("killed silent member %d (pid %s): %s", m.uid, pid, reason)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.bound + 5)
+
+
+class ElasticGroup:
+    """A group of ``world_size`` slots whose survivors re-form it after a failure (module docstring).
+
+    Every process of the job constructs one with the same ``store`` and ``name``, its ``slot``,
+    and the same ``world_size``; the first generation forms when every slot has a member. A
+    replacement for a dead member constructs one the same way with ``replacement=True``: it joins
+    the next generation, which the survivors form with :meth:`reform`.
+
+    Args:
+        store: the job's store: a TCPStore (or a PrefixStore over one) whose server outlives the
+            members.
+        slot: this process's slot, ``0 <= slot < world_size``.
+        world_size: the number of slots.
+        name: keeps several elastic groups of one store apart.
+        backend: our backend of every generation's group (see :func:`collectives.init_process_group`).
+        timeout: deadline of every wait inside a collective and of forming a generation (seconds).
+        heartbeat: seconds of silence after which a member is declared dead (``None``: no
+            heartbeats; only failed collectives then show a failure).
+        kill_silent: kill a silent member's process when it runs on this host.
+
+    Attributes:
+        group: the current generation's :class:`~collectives.group.Group`: pass it as ``group=``.
+        generation: its number (0 for the first).
+        members: its members, by group rank.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        slot: int,
+        world_size: int,
+        *,
+        name: str = "elastic",
+        backend: str | None = None,
+        timeout: datetime.timedelta | float = 60.0,
+        heartbeat: float | None = DEFAULT_BOUND,
+        kill_silent: bool = True,
+        replacement: bool = False,
+    ):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"ElasticGroup: world_size must be a positive int, got {world_size!r}")
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < world_size:
+            raise ValueError(f"ElasticGroup: slot must be an int in 0..{world_size - 1}, got {slot!r}")
+        if heartbeat is not None and not heartbeat > 0:
+            raise ValueError(f"ElasticGroup: heartbeat must be a positive number of seconds or None, got {heartbeat!r}")
+        base = _tcp_store(store)
+        prefix = f"ringddp/elastic/{name}/"
+        self._store = dist.PrefixStore(prefix, base)
+        self.world_size, self.name, self.backend = world_size, name, backend
+        self.timeout = timeout_seconds(timeout)
+        self.me = Member(slot, int(self._store.add("uid", 1)) - 1)
+        self._store.set(f"proc/{self.me.uid}", f"{host_key()}|{os.getpid()}|{_start_time(os.getpid())}")
+        self._fenced: str | None = None
+        self._heartbeat = None
+        if heartbeat is not None:
+            own = dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=self.timeout))
+            self._heartbeat = Heartbeat(
+                dist.PrefixStore(prefix, own), self.me, heartbeat, kill_silent, self._silent, self._was_fenced
+            )
+        self.group: Group | None = None
+        self.generation = -1
+        self.members: list[Member] = []
+        first = 0 if not replacement else int(self._store.add("gen", 0)) + 1
+        self._join(first, allow_shrink=False, wait=self.timeout)
+
+    # ------------------------------------------------------------------------ state
+
+    def rank(self) -> int:
+        """This member's rank in the current generation."""
+        return self.members.index(self.me)
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def _silent(self, m: Member, reason: str) -> None:
+        group = self.group
+        if group is not None and m in self.members:
+            group.mark_broken(CollectiveError(reason, op="heartbeat", peer=self.members.index(m)))
+
+    def _was_fenced(self, reason: str) -> None:
+        self._fenced = reason
+        log.error("this member (%d, slot %d) was fenced: %s", self.me.uid, self.me.slot, reason)
+        if self.group is not None:
+            self.group.mark_broken(FencedError(f"fenced: {reason}", op="heartbeat"))
+
+    # ------------------------------------------------------------------------ generations
+
+    def reform(self, *, allow_shrink: bool = False, wait: float | None = None) -> Group:
+        """Leave the current generation and form the next with the other survivors (and any
+        replacement); returns its group.
+
+        Waits up to ``wait`` seconds (default: the timeout) for every slot to have a member. If
+        some are still empty then: with ``allow_shrink`` the generation forms with the slots
+        present; otherwise :class:`~collectives.errors.CollectiveTimeoutError` names the empty
+        slots. Raises :class:`FencedError` if this member was fenced or left out.
+        """
+        if self.group is not None:
+            self.group.mark_broken(CollectiveError(f"group {self.group.name} re-forms", op="reform"))
+            self.group.close()
+            self.group = None
+        return self._join(self.generation + 1, allow_shrink, self.timeout if wait is None else wait)
+
+    def _check_fenced(self) -> None:
+        if self._fenced is None and self._store.check([f"fenced/{self.me.uid}"]):
+            self._fenced = self._store.get(f"fenced/{self.me.uid}").decode()
+        if self._fenced is not None:
+            raise FencedError(f"reform: this member (slot {self.me.slot}) was fenced: {self._fenced}", op="reform")
+
+    def _join(self, gen: int, allow_shrink: bool, wait: float) -> Group:
+        self._check_fenced()
+        log_key = f"g{gen}/"
+        index = int(self._store.add(log_key + "count", 1))
+        self._store.set(f"{log_key}entry/{index}", f"{self.me.uid}:{self.me.slot}")
+        deadline = time.monotonic() + wait
+        pause = 0.001
+        while True:
+            if self._store.check([log_key + "members"]):
+                break
+            present = self._present(log_key)
+            complete = len(present) == self.world_size
+            if complete or (time.monotonic() >= deadline and allow_shrink and present):
+                proposal = ",".join(f"{m.uid}:{m.slot}" for m in sorted(present.values()))
+                self._store.compare_set(log_key + "members", "", proposal)
+                break
+            if time.monotonic() >= deadline:
+                empty = sorted(set(range(self.world_size)) - set(present))
+                raise CollectiveTimeoutError(
+                    f"reform: generation {gen} of {self.name}: slots {empty} have no member: {timed_out(wait)}",
+                    op="reform",
+                )
+            self._check_fenced()
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        decided = [Member(int(s), int(u)) for u, s in (e.split(":") for e in self._store.get(log_key + "members").decode().split(","))]
+        if self.me not in decided:
+            self._fenced = f"left out of generation {gen} (members {[(m.slot, m.uid) for m in decided]})"
+            raise FencedError(f"reform: this member (slot {self.me.slot}) was {self._fenced}", op="reform")
+        self._store.compare_set("gen", str(gen - 1) if gen else "", str(gen))  # best effort, for replacements
+        self.members, self.generation = decided, gen
+        rank = decided.index(self.me)
+        self.group = Group.from_store(
+            dist.PrefixStore(log_key + "group/", self._store), rank, len(decided), self.timeout,
+            backend=self.backend, name=f"{self.name}@{gen}",
+        )
+        if self._heartbeat is not None:
+            self._heartbeat.watch(decided)
+        log.info("generation %d of %s: members %s, this is rank %d", gen, self.name, [(m.slot, m.uid) for m in decided], rank)
+        return self.group
+
+    def _present(self, log_key: str) -> dict[int, Member]:
+        """The members that asked to join, one per slot (the newest member of a slot), none fenced."""
+        count = int(self._store.add(log_key + "count", 0))
+        entries = self._store.multi_get([f"{log_key}entry/{i}" for i in range(1, count + 1)]) if count else []
+        by_slot: dict[int, Member] = {}
+        for entry in entries:
+            uid, slot = (int(x) for x in entry.decode().split(":"))
+            if self._store.check([f"fenced/{uid}"]):
+                continue
+            if slot not in by_slot or uid > by_slot[slot].uid:
+                by_slot[slot] = Member(slot, uid)
+        return by_slot
+
+    def close(self) -> None:
+        """Leave: say so (the peers' heartbeats stop watching this member), stop the heartbeat,
+        close the group."""
+        self._store.set(f"left/{self.me.uid}", "1")
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
