@@ -28,7 +28,11 @@ appending ``uid:slot`` to that generation's log in the store (an ``add`` gives e
 index). When the wanted slots are all present (or, when shrinking is allowed, when the wait is
 over), a member proposes the membership with ``compare_set`` on the generation's ``members``
 key: the first proposal wins, and every member adopts the one stored, so all agree without a
-leader. Fenced members never enter a proposal.
+leader. Fenced members never enter a proposal. The members then say they are ready; should one
+be fenced before all are (it died right after the decision), the others move on to the next
+generation at once rather than wait for it in the group's rendezvous. A process that joins
+(at the start, or as a replacement) takes the first generation not yet decided (``next``).
+Heartbeats watch every member of the job that ever beat, forming generations included.
 
 **Fencing a member that wakes up.** A stopped member that is resumed after it was fenced finds
 ``fenced/<uid>`` (its heartbeat thread looks every beat): its group is marked broken with
@@ -96,12 +100,12 @@ def _start_time(pid: int) -> str | None:
 
 
 class Heartbeat:
-    """A member's heartbeat thread: publishes its own counter, watches the peers', fences the
-    silent ones (module docstring).
+    """A member's heartbeat thread: publishes its own counter, watches every other member of the
+    job (any generation, forming or formed), fences the silent ones (module docstring).
 
     Args:
         store: a connection of its own to the job's TCP store, under the group's prefix.
-        me: this member.
+        me: this member (its ``proc/<uid>`` key is already published).
         bound: seconds of silence after which a peer is declared dead.
         kill: kill a silent peer's process if it runs on this host.
         on_silent: called (on the heartbeat thread) with the member found silent and the reason.
@@ -111,9 +115,8 @@ class Heartbeat:
     def __init__(self, store: dist.Store, me: Member, bound: float, kill: bool, on_silent, on_fenced):
         self._store, self.me, self.bound, self._kill = store, me, bound, kill
         self._on_silent, self._on_fenced = on_silent, on_fenced
-        self._lock = threading.Lock()
-        self._watched: dict[int, Member] = {}
-        self._seen: dict[int, tuple[bytes, float]] = {}  # uid -> (counter, when it last moved)
+        self._seen: dict[int, tuple[Member, bytes, float]] = {}  # uid -> (member, counter, when it last moved)
+        self._gone = {me.uid}  # not watched: this one, and members fenced or left
         self._beats = 0
         self._stop = threading.Event()
         self.beat()  # our key exists before anyone can watch it
@@ -123,13 +126,6 @@ class Heartbeat:
     def beat(self) -> None:
         self._beats += 1
         self._store.set(f"hb/{self.me.uid}", str(self._beats))
-
-    def watch(self, members: Sequence[Member]) -> None:
-        """Watch ``members`` (this one excluded) from now on; their silence counts from now."""
-        now = time.monotonic()
-        with self._lock:
-            self._watched = {m.uid: m for m in members if m.uid != self.me.uid}
-            self._seen = {uid: self._seen.get(uid, (b"", now))[:1] + (now,) for uid in self._watched}
 
     def _run(self) -> None:
         interval = self.bound / 4
@@ -146,27 +142,29 @@ class Heartbeat:
                 return
 
     def _look(self) -> None:
-        with self._lock:
-            watched = list(self._watched.values())
+        now = time.monotonic()
+        for uid in range(int(self._store.add("uid", 0))):  # members that appeared: watched from now
+            if uid not in self._gone and uid not in self._seen and self._store.check([f"hb/{uid}"]):
+                slot = int(self._store.get(f"proc/{uid}").decode().split("|", 1)[0])
+                self._seen[uid] = (Member(slot, uid), b"", now)
+        watched = list(self._seen.items())
         if not watched:
             return
-        counters = self._store.multi_get([f"hb/{m.uid}" for m in watched])
+        counters = self._store.multi_get([f"hb/{uid}" for uid, _ in watched])
         now = time.monotonic()
-        for m, counter in zip(watched, counters):
-            with self._lock:
-                if m.uid not in self._seen:
-                    continue  # no longer watched
-                last, since = self._seen[m.uid]
-                if counter != last:
-                    self._seen[m.uid] = (counter, now)
-                    continue
-                if now - since < self.bound:
-                    continue
-                del self._seen[m.uid], self._watched[m.uid]
-            if self._store.check([f"left/{m.uid}"]):
+        for (uid, (m, last, since)), counter in zip(watched, counters):
+            if counter != last:
+                self._seen[uid] = (m, counter, now)
+                continue
+            if now - since < self.bound:
+                continue
+            del self._seen[uid]
+            self._gone.add(uid)
+            if self._store.check([f"left/{uid}"]):
                 continue  # it closed its group: not a failure
-            reason = f"heartbeat: slot {m.slot} (member {m.uid}) silent for {now - since:.1f}s (bound {self.bound:g}s)"
-            self.fence(m, reason)
+            reason = f"heartbeat: slot {m.slot} (member {uid}) silent for {now - since:.1f}s (bound {self.bound:g}s)"
+            if not self._store.check([f"fenced/{uid}"]):  # else another member fenced it already
+                self.fence(m, reason)
             self._on_silent(m, reason)
 
     def fence(self, m: Member, reason: str) -> None:
@@ -174,7 +172,7 @@ class Heartbeat:
         self._store.compare_set(f"fenced/{m.uid}", "", reason)
         if not self._kill:
             return
-        host, pid, started = self._store.get(f"proc/{m.uid}").decode().rsplit("|", 2)
+        _, host, pid, started = self._store.get(f"proc/{m.uid}").decode().split("|")
         if host == host_key() and _start_time(int(pid)) == started:
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -192,9 +190,9 @@ class ElasticGroup:
     """A group of ``world_size`` slots whose survivors re-form it after a failure (module docstring).
 
     Every process of the job constructs one with the same ``store`` and ``name``, its ``slot``,
-    and the same ``world_size``; the first generation forms when every slot has a member. A
-    replacement for a dead member constructs one the same way with ``replacement=True``: it joins
-    the next generation, which the survivors form with :meth:`reform`.
+    and the same ``world_size``; it joins the first generation not yet decided: at the start
+    generation 0, which forms when every slot has a member; later (a replacement for a lost
+    member, constructed the same way) the one the survivors form with :meth:`reform`.
 
     Args:
         store: the job's store: a TCPStore (or a PrefixStore over one) whose server outlives the
@@ -225,7 +223,6 @@ class ElasticGroup:
         timeout: datetime.timedelta | float = 60.0,
         heartbeat: float | None = DEFAULT_BOUND,
         kill_silent: bool = True,
-        replacement: bool = False,
     ):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"ElasticGroup: world_size must be a positive int, got {world_size!r}")
@@ -239,7 +236,7 @@ class ElasticGroup:
         self.world_size, self.name, self.backend = world_size, name, backend
         self.timeout = timeout_seconds(timeout)
         self.me = Member(slot, int(self._store.add("uid", 1)) - 1)
-        self._store.set(f"proc/{self.me.uid}", f"{host_key()}|{os.getpid()}|{_start_time(os.getpid())}")
+        self._store.set(f"proc/{self.me.uid}", f"{slot}|{host_key()}|{os.getpid()}|{_start_time(os.getpid())}")
         self._fenced: str | None = None
         self._heartbeat = None
         if heartbeat is not None:
@@ -251,8 +248,7 @@ class ElasticGroup:
         self.group: Group | None = None
         self.generation = -1
         self.members: list[Member] = []
-        first = 0 if not replacement else int(self._store.add("gen", 0)) + 1
-        self._join(first, allow_shrink=False, wait=self.timeout)
+        self._join(0, allow_shrink=False, wait=self.timeout)
 
     # ------------------------------------------------------------------------ state
 
@@ -298,18 +294,38 @@ class ElasticGroup:
             raise FencedError(f"reform: this member (slot {self.me.slot}) was fenced: {self._fenced}", op="reform")
 
     def _join(self, gen: int, allow_shrink: bool, wait: float) -> Group:
-        self._check_fenced()
+        """Join generation ``gen`` or, if it was decided already, the first one not yet decided."""
+        deadline = time.monotonic() + wait
+        while True:
+            self._check_fenced()
+            gen = max(gen, int(self._store.add("next", 0)))
+            decided = self._decide(gen, allow_shrink, deadline, wait)
+            while (undecided := int(self._store.add("next", 0))) <= gen:  # for replacements and laggards
+                self._store.compare_set("next", str(undecided), str(gen + 1))
+            if self.me not in decided:
+                self._fenced = f"left out of generation {gen} (members {[(m.slot, m.uid) for m in decided]})"
+                raise FencedError(f"reform: this member (slot {self.me.slot}) was {self._fenced}", op="reform")
+            if self._all_ready(f"g{gen}/", decided, time.monotonic() + self.timeout, self.timeout):
+                break
+            gen += 1  # a member died before the generation formed: the next one, without it
+        self.members, self.generation = decided, gen
+        rank = decided.index(self.me)
+        self.group = Group.from_store(
+            dist.PrefixStore(f"g{gen}/group/", self._store), rank, len(decided), self.timeout,
+            backend=self.backend, name=f"{self.name}@{gen}",
+        )
+        log.info("generation %d of %s: members %s, this is rank %d", gen, self.name, [(m.slot, m.uid) for m in decided], rank)
+        return self.group
+
+    def _decide(self, gen: int, allow_shrink: bool, deadline: float, wait: float) -> list[Member]:
+        """Ask to join ``gen`` and wait for its membership (proposing it once the slots are filled)."""
         log_key = f"g{gen}/"
         index = int(self._store.add(log_key + "count", 1))
         self._store.set(f"{log_key}entry/{index}", f"{self.me.uid}:{self.me.slot}")
-        deadline = time.monotonic() + wait
         pause = 0.001
-        while True:
-            if self._store.check([log_key + "members"]):
-                break
+        while not self._store.check([log_key + "members"]):
             present = self._present(log_key)
-            complete = len(present) == self.world_size
-            if complete or (time.monotonic() >= deadline and allow_shrink and present):
+            if len(present) == self.world_size or (time.monotonic() >= deadline and allow_shrink and present):
                 proposal = ",".join(f"{m.uid}:{m.slot}" for m in sorted(present.values()))
                 self._store.compare_set(log_key + "members", "", proposal)
                 break
@@ -322,21 +338,28 @@ class ElasticGroup:
             self._check_fenced()
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
-        decided = [Member(int(s), int(u)) for u, s in (e.split(":") for e in self._store.get(log_key + "members").decode().split(","))]
-        if self.me not in decided:
-            self._fenced = f"left out of generation {gen} (members {[(m.slot, m.uid) for m in decided]})"
-            raise FencedError(f"reform: this member (slot {self.me.slot}) was {self._fenced}", op="reform")
-        self._store.compare_set("gen", str(gen - 1) if gen else "", str(gen))  # best effort, for replacements
-        self.members, self.generation = decided, gen
-        rank = decided.index(self.me)
-        self.group = Group.from_store(
-            dist.PrefixStore(log_key + "group/", self._store), rank, len(decided), self.timeout,
-            backend=self.backend, name=f"{self.name}@{gen}",
-        )
-        if self._heartbeat is not None:
-            self._heartbeat.watch(decided)
-        log.info("generation %d of %s: members %s, this is rank %d", gen, self.name, [(m.slot, m.uid) for m in decided], rank)
-        return self.group
+        stored = self._store.get(log_key + "members").decode()
+        return [Member(int(s), int(u)) for u, s in (e.split(":") for e in stored.split(","))]
+
+    def _all_ready(self, log_key: str, decided: list[Member], deadline: float, wait: float) -> bool:
+        """Say this member is ready for the generation and wait for the others: True when all are,
+        False as soon as one of them is fenced (it died or stopped after the decision)."""
+        self._store.set(f"{log_key}ready/{self.me.uid}", "1")
+        keys = [f"{log_key}ready/{m.uid}" for m in decided]
+        pause = 0.001
+        while not self._store.check(keys):
+            if any(self._store.check([f"fenced/{m.uid}"]) for m in decided):
+                return False
+            if time.monotonic() >= deadline:
+                late = [m.slot for m in decided if not self._store.check([f"{log_key}ready/{m.uid}"])]
+                raise CollectiveTimeoutError(
+                    f"reform: generation {log_key[1:-1]} of {self.name}: slots {late} never got ready: {timed_out(wait)}",
+                    op="reform",
+                )
+            self._check_fenced()
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        return True
 
     def _present(self, log_key: str) -> dict[int, Member]:
         """The members that asked to join, one per slot (the newest member of a slot), none fenced."""

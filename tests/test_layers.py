@@ -79,7 +79,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("ddp.zero.checkpoint",),
     ("ddp.zero",),
     ("ddp",),
-    ("ddp.train", "ddp.bench"),
+    ("ddp.train", "ddp.bench", "ddp.elastic"),
 ]
 
 

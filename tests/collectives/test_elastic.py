@@ -46,14 +46,14 @@ def _steps(eg: ElasticGroup, store, first: int, last: int, log: list) -> None:
         step += 1
 
 
-def member(port: int, slot: int, world: int, backend: str, replacement: bool, first: int, last: int, kill: bool, conn) -> None:
+def member(port: int, slot: int, world: int, backend: str, first: int, last: int, kill: bool, conn) -> None:
     set_parent_death_signal()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     log: list = []
     try:
         eg = ElasticGroup(store, slot, world, backend=backend, timeout=float(store.get("timeout")), heartbeat=BOUND,
-                          kill_silent=kill, replacement=replacement)
+                          kill_silent=kill)
         conn.send(("joined", eg.me.uid))
         try:
             _steps(eg, store, first, last, log)
@@ -80,13 +80,13 @@ class Job:
         self.backend, self.world, self.steps, self.kill = backend, world, steps, kill
         self.procs: list[tuple[mp.Process, object]] = []
         for slot in range(world):
-            self.start(slot, replacement=False, first=0)
+            self.start(slot, first=0)
         self.uids = [self.read(i, "joined") for i in range(world)]
 
-    def start(self, slot: int, replacement: bool, first: int) -> int:
+    def start(self, slot: int, first: int) -> int:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=member, args=(self.store.port, slot, self.world, self.backend, replacement,
+        p = ctx.Process(target=member, args=(self.store.port, slot, self.world, self.backend,
                                              first, self.steps, self.kill, child), name=f"elastic-{slot}")
         p.start()
         child.close()
@@ -129,7 +129,7 @@ def test_stopped_member_is_found_by_heartbeat_fenced_killed_and_the_rest_go_on(b
     """Slot 2 of 3 stops itself (SIGSTOP) before step 3's all-reduce: the survivors, blocked in it,
     raise within the heartbeat bound (not the 60 s timeout), kill it, shrink to 2 and finish
     every step with exact sums; slot 2's process ends killed by SIGKILL."""
-    job = Job(backend, 3, 6, shrink=True, wait=3.0)
+    job = Job(backend, 3, 6, shrink=True, wait=8.0)
     try:
         job.stop_at(2, 3, signal.SIGSTOP)
         logs = [job.read(i, "ok") for i in (0, 1)]
@@ -148,7 +148,7 @@ def test_stopped_member_is_found_by_heartbeat_fenced_killed_and_the_rest_go_on(b
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["shm", "p2p"])
+@pytest.mark.parametrize("backend", ["p2p"])  # shm: tests/ddp/test_elastic.py
 def test_killed_member_is_replaced_and_the_full_world_goes_on(backend):
     """Slot 1 of 3 is killed (SIGKILL) before step 2; a replacement started by the launcher takes
     slot 1 in generation 1, and every step's sum is over all three slots again."""
@@ -157,7 +157,7 @@ def test_killed_member_is_replaced_and_the_full_world_goes_on(backend):
         job.stop_at(1, 2, signal.SIGKILL)
         job.procs[1][0].join(60)
         assert job.procs[1][0].exitcode == -signal.SIGKILL
-        new = job.start(1, replacement=True, first=2)
+        new = job.start(1, first=2)
         assert job.read(new, "joined") > max(job.uids)
         logs = [job.read(i, "ok") for i in (0, 2, new)]
         for log in logs[:2]:
@@ -172,7 +172,7 @@ def test_killed_member_is_replaced_and_the_full_world_goes_on(backend):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["shm", "p2p"])
+@pytest.mark.parametrize("backend", ["shm"])  # the fence is the store's, whatever the backend
 def test_fenced_member_that_wakes_up_cannot_take_part(backend):
     """With nobody killed (``kill_silent=False``, as for a member on another host), slot 2 stops
     before step 1; the heartbeat fences it, the survivors' call in flight ends at its deadline
@@ -180,7 +180,7 @@ def test_fenced_member_that_wakes_up_cannot_take_part(backend):
     on. Once they are done, slot 2 is resumed: it may still finish the old generation's step from
     the memory it kept mapped (the survivors abandoned that step), but it ends with FencedError
     without a step in any later generation, and the survivors' sums were exact throughout."""
-    job = Job(backend, 3, 4, shrink=True, wait=3.0, kill=False, timeout=10.0)
+    job = Job(backend, 3, 4, shrink=True, wait=8.0, kill=False, timeout=10.0)
     try:
         job.stop_at(2, 1, signal.SIGSTOP)
         logs = [job.read(i, "ok") for i in (0, 1)]
