@@ -22,7 +22,10 @@ allocation) continues from the newest checkpoint in its directory::
 file holds ``state_dict()`` of the module and the optimizer, every rank's its RNG and extra),
 ``sharded`` (ZeRO-1/2/3: every rank's file holds :func:`ddp.zero.sharded_state_dict`, loadable at
 any world size and stage) or ``dcp`` (torch's DDP: ``torch.distributed.checkpoint`` writes the
-model and optimizer into ``D/step-N/`` with its own files; ours add RNG and extra).
+model and optimizer into ``D/step-N/`` with its own files; ours add RNG, extra and rank 0's
+buffers: DCP writes one copy of a tensor every rank holds, from whichever rank it picks, and
+torch's DDP leaves each rank its own BatchNorm statistics until the next forward broadcasts rank
+0's, so the copy DCP kept may be another rank's).
 
 **Atomic.** Everything is written into ``D/.partial-step-N/``: each rank writes its file, fsyncs
 it and then (write + rename) ``done-r.json`` with the file's size and sha256; rank 0 waits for
@@ -118,7 +121,7 @@ def _jsonable(value: Any) -> bool:
 
 def differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
     """What differs between two fingerprints, in words (empty: compatible)."""
-    if saved.get("format") != mine["format"]:
+    if saved.get("format") != mine["format"]:  # the rest of an unknown format means nothing
         return [f"checkpoint format {saved.get('format')} (this version reads format {mine['format']})"]
     out = []
     if saved.get("kind") != mine["kind"]:
@@ -286,7 +289,8 @@ class Checkpointer:
             return []
         return sorted(int(m.group(1)) for m in map(_STEP.match, names) if m)
 
-    def _path(self, step: int) -> str:
+    def path(self, step: int) -> str:
+        """Where checkpoint ``step`` lives (complete or not)."""
         return os.path.join(self.directory, f"step-{step:08d}")
 
     def _scan(self, mine: dict[str, Any], resume: bool) -> Found | None:
@@ -304,17 +308,17 @@ class Checkpointer:
         steps = self.steps()
         if steps and not resume:
             raise CheckpointError(
-                f"checkpoint directory {d}: holds checkpoints (newest {os.path.basename(self._path(steps[-1]))}) and "
+                f"checkpoint directory {d}: holds checkpoints (newest {os.path.basename(self.path(steps[-1]))}) and "
                 "resuming was refused (--no-resume); they are left alone: choose an empty directory or remove them")
         found = None
         for step in reversed(steps):
-            path = self._path(step)
+            path = self.path(step)
             try:
                 manifest = verify(path)
             except CheckpointError as exc:
                 log.warning("checkpoint %s is not usable, falling back to the previous one: %s", path, exc)
                 continue
-            wrong = differences(manifest.get("fingerprint", {}), mine)
+            wrong = differences(manifest.get("fingerprint", manifest), mine)
             if wrong:
                 raise CheckpointError(f"{os.path.join(path, MANIFEST)}: this job cannot resume it: " + "; ".join(wrong))
             found = Found(path, manifest)
@@ -364,6 +368,8 @@ class Checkpointer:
             payload["model"] = _clone(_module(model).state_dict())
             payload["optimizer"] = _clone(optimizer.state_dict())
         if kind == "dcp":
+            if self.rank == 0:  # the buffers every rank gets at the next forward (see the module docstring)
+                payload["buffers"] = _clone(dict(_module(model).named_buffers()))
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -410,13 +416,13 @@ class Checkpointer:
         manifest = {"format": FORMAT, "step": step, "world_size": self.world_size, "kind": self._fingerprint["kind"],
                     "fingerprint": self._fingerprint, "files": files, "written": time.time()}
         _write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
-        final = self._path(step)
+        final = self.path(step)
         if os.path.exists(final):  # a corrupt one skipped at start: replaced by this one
             self._remove(final)
         os.rename(partial, final)
         _fsync_dir(self.directory)
         for old in self.steps()[: -self.keep]:
-            self._remove(self._path(old))
+            self._remove(self.path(old))
         log.debug("checkpoint %s written (%d files)", final, len(files))
 
     def _remove(self, path: str) -> None:
@@ -434,6 +440,10 @@ class Checkpointer:
             raise RuntimeError(f"checkpoint write in {self.directory} failed: {error}") from error
 
     close = wait
+
+    def writing(self) -> bool:
+        """Whether a background write is still running (not collective)."""
+        return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ load
 
@@ -457,6 +467,9 @@ class Checkpointer:
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, checkpoint_id=found.path)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            with torch.no_grad():
+                for name, b in _module(model).named_buffers():
+                    b.copy_(files[0]["buffers"][name])
         if self.rank < n:
             set_rng_state(files[self.rank]["rng"])
         return [f["extra"] for f in files]

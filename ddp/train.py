@@ -512,7 +512,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    results = collectives.launch(train, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, log_level=logging.INFO)
+    try:
+        results = collectives.launch(train, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, log_level=logging.INFO)
+    except CheckpointError as exc:  # bad input, found before anything was written
+        log.error("ringddp-train: error: %s", exc)
+        return 1
     summary = next((r for r in results if r is not None), None)
     if summary is None:
         return 0  # under torchrun: only rank 0's process reports
