@@ -36,11 +36,15 @@ either a complete ``step-N`` or a ``.partial-`` directory, which is ignored and 
 start. On start rank 0 checks the newest ``step-N``: its manifest, every file's size and sha256; a
 corrupt or truncated one is skipped with a warning naming the file, and the next older one used.
 
-**Background.** :meth:`Checkpointer.save` copies the state synchronously (a clone of every tensor:
-the only stall of the training loop), then a thread serialises, hashes and writes it while
-training continues; the next ``save`` (or ``close``) first waits for it. ``dcp`` saves are
-synchronous (``torch.distributed.checkpoint`` runs collectives on torch's default group, which the
-training loop uses too).
+**Background.** :meth:`Checkpointer.save` copies synchronously only what the next forward
+changes (buffers), the RNG states and the caller's extra; for our DDP the parameters and the
+optimizer state are copied by a writer thread, which a pre-hook on ``optimizer.step()`` waits for
+(nothing else changes them: the copy overlaps the next forward and backward), into staging
+tensors reused from the last save. The thread then lowers its CPU priority (nice 19) and
+serialises, hashes and writes while training continues; the next ``save`` (or ``close``) first
+waits for it. ZeRO's shards are copied synchronously (``sharded_state_dict``: 1/N of the state);
+``dcp`` saves are synchronous (``torch.distributed.checkpoint`` runs collectives on torch's
+default group, which the training loop uses too).
 
 **Bad input** fails at :meth:`Checkpointer.prepare`, on every rank, before anything on disk is
 touched: a directory that cannot be written, a checkpoint of another format version, kind,
@@ -50,10 +54,9 @@ model (parameter names/shapes), optimizer (class, hyperparameters) or training s
 
 from __future__ import annotations
 
-import copy
+import copy as copy_module
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -175,18 +178,82 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
-def _clone(value: Any) -> Any:
-    """A copy of nested dicts/lists with every tensor cloned (detached from training)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return copy.copy(value)
+def _stage(value: Any, staging: list[torch.Tensor]) -> Any:
+    """A copy of nested dicts/lists with every tensor copied into the tensor of ``staging`` (the
+    copies of the last save) at the same place, where shape and dtype match (no fresh pages to
+    fault in: the copy runs at memory speed), else into a new one, which ``staging`` keeps."""
+    at = 0
+
+    def copy(v: Any) -> Any:
+        nonlocal at
+        if isinstance(v, torch.Tensor):
+            old = staging[at] if at < len(staging) else None
+            if old is not None and old.shape == v.shape and old.dtype == v.dtype and old.device == v.device:
+                new = old.copy_(v.detach())
+            else:
+                new = v.detach().clone()
+                staging[at:at + 1] = [new]
+            at += 1
+            return new
+        if isinstance(v, dict):
+            return {k: copy(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(copy(x) for x in v)
+        return copy_module.copy(v)
+
+    out = copy(value)
+    del staging[at:]
+    return out
+
+
+def _merge_states(payload: dict[str, Any], deferred: dict[str, Any]) -> dict[str, Any]:
+    """The payload with the deferred parts in: the parameters joined to the buffers, in
+    ``state_dict`` order does not matter to ``load_state_dict``."""
+    out = dict(payload)
+    if "model" in deferred:
+        out["model"] = {**deferred["model"], **payload.get("model", {})}
+    if "optimizer" in deferred:
+        out["optimizer"] = deferred["optimizer"]
+    return out
+
+
+def _lower_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: a thread's nice value is its own),
+    so a background write takes the CPU time training leaves idle rather than training's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 # ---------------------------------------------------------------------------- files
+
+
+class _Hashing:
+    """A binary file that hashes what is written through it (``torch.save`` streams into it)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        self.bytes += len(memoryview(data).cast("B"))
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_hashed(obj: Any, path: str) -> dict[str, Any]:
+    """``torch.save`` into ``path`` (temporary name, fsync, rename); its bytes and sha256."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        out = _Hashing(f)
+        torch.save(obj, out)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"bytes": out.bytes, "sha256": out.sha256.hexdigest()}
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -278,6 +345,14 @@ class Checkpointer:
         self._fingerprint: dict[str, Any] | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging: list[torch.Tensor] = []  # the copies of the last save, reused by the next
+        self._deferred_staging: list[torch.Tensor] = []
+        self._copied = threading.Event()
+        self._copied.set()
+        self._guarded: torch.optim.Optimizer | None = None
+        self._hook: Any = None
+        self.write_cpu_s = 0.0  #: CPU seconds the last background write took (copy, serialise, hash, write)
+        self.held_s = 0.0  #: seconds optimizer steps waited, in all, for the writer thread's copy
 
     # ------------------------------------------------------------------ start
 
@@ -360,36 +435,71 @@ class Checkpointer:
         kind = kind_of(model)
         partial = os.path.join(self.directory, f".partial-step-{step:08d}")
         os.makedirs(partial, exist_ok=True)
-        payload: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "rng": _clone(rng_state()),
-                                   "extra": _clone(extra)}
+        payload: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "rng": rng_state(), "extra": extra}
+        deferred: dict[str, Any] = {}  # copied by the writer thread before the next optimizer step
         if kind == "sharded":
             payload["sharded"] = sharded_state_dict(model, optimizer)  # clones
         elif kind == "replicated" and self.rank == 0:
-            payload["model"] = _clone(_module(model).state_dict())
-            payload["optimizer"] = _clone(optimizer.state_dict())
+            inner = _module(model)
+            params = {id(p) for p in inner.parameters()}
+            state = inner.state_dict(keep_vars=True)
+            payload["model"] = {k: v for k, v in state.items() if id(v) not in params}  # buffers: forward changes them
+            deferred["model"] = {k: v for k, v in state.items() if id(v) in params}
+            deferred["optimizer"] = optimizer.state_dict()
+        if kind == "dcp" and self.rank == 0:  # the buffers every rank gets at the next forward (see the module docstring)
+            payload["buffers"] = dict(_module(model).named_buffers())
+        payload = _stage(payload, self._staging)
+        if deferred and self.background:
+            self._guard(optimizer)
+            self._copied.clear()
+        elif deferred:
+            payload = _merge_states(payload, _stage(deferred, self._deferred_staging))
+            deferred = {}
         if kind == "dcp":
-            if self.rank == 0:  # the buffers every rank gets at the next forward (see the module docstring)
-                payload["buffers"] = _clone(dict(_module(model).named_buffers()))
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             model_sd, optim_sd = get_state_dict(model, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial)
         if self.background and kind != "dcp":
-            self._thread = threading.Thread(target=self._write, args=(step, partial, payload), daemon=True,
+            self._thread = threading.Thread(target=self._write_in_background, args=(step, partial, payload, deferred), daemon=True,
                                             name=f"checkpoint step {step}")
             self._thread.start()
         else:
             self._write(step, partial, payload)
 
+    def _guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait until the writer thread has copied what it changes."""
+        if self._guarded is not optimizer:
+            if self._hook is not None:
+                self._hook.remove()
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self._wait_copied())
+            self._guarded = optimizer
+
+    def _wait_copied(self) -> None:
+        if not self._copied.is_set():
+            started = time.perf_counter()
+            self._copied.wait()
+            self.held_s += time.perf_counter() - started
+
+    def _write_in_background(self, step: int, partial: str, payload: dict[str, Any], deferred: dict[str, Any]) -> None:
+        started = time.thread_time()
+        try:
+            if deferred:
+                payload = _merge_states(payload, _stage(deferred, self._deferred_staging))
+        except BaseException as exc:  # noqa: BLE001 - raised in the training thread by wait()
+            self._error = exc
+            return
+        finally:
+            self._copied.set()
+        _lower_priority()  # the copy is done: the rest may wait for idle CPU
+        self._write(step, partial, payload)
+        self.write_cpu_s = time.thread_time() - started
+
     def _write(self, step: int, partial: str, payload: dict[str, Any]) -> None:
         try:
-            buffer = io.BytesIO()
-            torch.save(payload, buffer)
-            data = buffer.getbuffer()
             name = _rank_file(self.rank, self.world_size)
-            _write_atomic(os.path.join(partial, name), data)
-            done = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+            done = {name: _save_hashed(payload, os.path.join(partial, name))}
             _write_atomic(os.path.join(partial, f"done-{self.rank}.json"), json.dumps(done).encode())
             if self.rank == 0:
                 self._finish(step, partial)
