@@ -207,8 +207,8 @@ def _stage(value: Any, staging: list[torch.Tensor]) -> Any:
 
 
 def _merge_states(payload: dict[str, Any], deferred: dict[str, Any]) -> dict[str, Any]:
-    """The payload with the deferred parts in: the parameters joined to the buffers, in
-    ``state_dict`` order does not matter to ``load_state_dict``."""
+    """The payload with the deferred parts in (the parameters joined to the buffers: the order of
+    a state dict's keys does not matter to ``load_state_dict``)."""
     out = dict(payload)
     if "model" in deferred:
         out["model"] = {**deferred["model"], **payload.get("model", {})}
@@ -427,8 +427,9 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None) -> None:
-        """Checkpoint the state after optimizer step ``step``, on every rank (collective for ``dcp``
-        and ZeRO-3; otherwise only this rank's copy, then a background write)."""
+        """Checkpoint the state after optimizer step ``step``; call it on every rank. Collective only
+        for ``dcp``; otherwise each rank copies its part and writes it (in the background), and
+        rank 0 publishes the checkpoint once every rank's file is on disk."""
         self.wait()
         if self._fingerprint is None:
             raise RuntimeError("Checkpointer.save: call prepare() first (it checks the directory)")
