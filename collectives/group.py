@@ -437,6 +437,9 @@ def init_process_group(
     name = resolve_backend(backend)
     seconds = timeout_seconds(timeout, DEFAULT_TIMEOUT.total_seconds())
     if not dist.is_initialized():
+        if store is None and init_method in (None, "env://"):
+            store, rank, world_size = _restart_store(rank, world_size, seconds)
+            init_method = None if store is not None else init_method
         try:
             dist.init_process_group(
                 "gloo",
@@ -461,6 +464,25 @@ def init_process_group(
     trace.set_default_rank(_world.rank())
     log.debug("rank %d/%d joined the default group (backend %s)", _world.rank(), size, name)
     return _world
+
+
+def _restart_store(rank: int, world_size: int, seconds: float) -> tuple[dist.Store | None, int, int]:
+    """Under torchrun with its agent's store (the default), that store with this restart's own key
+    prefix, and the rank and world size from the environment; elsewhere ``(None, rank, world_size)``.
+
+    The agent keeps one store for the whole job and hands every restart of the workers the same
+    ``MASTER_PORT``: without a prefix a restarted worker reads the keys of the attempt before it,
+    such as a dead peer's gloo address, and its rendezvous fails.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None, rank, world_size
+    rank = int(env["RANK"]) if rank < 0 else rank
+    world_size = int(env["WORLD_SIZE"]) if world_size < 0 else world_size
+    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=seconds))
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ringddp/attempt-{attempt}/", agent), rank, world_size
 
 
 def _joined(text: str) -> str:

@@ -134,6 +134,7 @@ class DistributedSampler(Sampler[int]):
         self.seed = _check_int(seed, "seed")
         self.drop_last = bool(drop_last)
         self.epoch = 0
+        self.start = 0
         self.length = length
         self.num_samples, self.total_size = shard_sizes(length, num_replicas, self.drop_last)
         if length and self.num_samples == 0:
@@ -142,9 +143,21 @@ class DistributedSampler(Sampler[int]):
                 length, num_replicas,
             )
 
-    def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration's permutation (call it on every rank, same value)."""
-        self.epoch = _check_int(epoch, "epoch")
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Use ``epoch`` for the next iteration's permutation (call it on every rank, same values).
+
+        ``start``: positions of the epoch's global order already consumed, by all ranks together
+        (a job resuming mid-epoch: batches done x batch size x the world size *then*). The ranks
+        share the rest, ``order[start:]``, as they would a whole epoch: rank ``r`` of ``N`` takes
+        positions ``start + r, start + r + N, ...``, padded (or dropped) at the end the same way.
+        At the world size of the interrupted run that is exactly the rest of each rank's epoch; at
+        another one the epoch still visits every row once (plus padding), none twice.
+        """
+        epoch, start = _check_int(epoch, "epoch"), _check_int(start, "start")
+        if not 0 <= start <= self.length:
+            raise ValueError(f"DistributedSampler.set_epoch: start must be in [0, {self.length}], got {start}")
+        self.epoch, self.start = epoch, start
+        self.num_samples, self.total_size = shard_sizes(self.length - start, self.num_replicas, self.drop_last)
 
     def indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch as an int64 tensor (what ``iter`` yields)."""
@@ -152,7 +165,7 @@ class DistributedSampler(Sampler[int]):
         # Position p of the padded/truncated global order holds order[p % n]: with drop_last,
         # total_size <= n so the modulo never wraps; without it, positions n.. wrap around to the
         # start (as many times as needed when total_size > 2n, e.g. 3 rows over 8 ranks).
-        positions = torch.arange(self.num_samples, dtype=torch.int64) * self.num_replicas + self.rank
+        positions = self.start + torch.arange(self.num_samples, dtype=torch.int64) * self.num_replicas + self.rank
         if self.length == 0:
             return positions  # empty
         return order[positions % self.length]

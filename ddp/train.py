@@ -11,12 +11,19 @@ inside scikit-learn, so nothing is downloaded::
     python -m ddp.train --zero 3                     # ZeRO-3: parameters, gradients and state sharded
     python -m ddp.train --torch-ddp                  # torch's own DDP, on backend "ringddp" (our collectives)
     torchrun --nproc_per_node=2 -m ddp.train         # ranks from torchrun's environment
+    torchrun --nproc-per-node 2 --max-restarts 3 -m ddp.train --checkpoint-dir ckpt   # survives restarts
 
 ``--zero 1|2|3`` trains the same model with :class:`ddp.ZeroDataParallel` and
 :class:`ddp.ZeroRedundancyOptimizer` instead (``--zero 0``, the default, is the DDP above). Every
 run logs what each rank holds for parameters, gradients and optimizer state (tensor accounting,
 :func:`ddp.zero.memory_report`). At the end every rank compares its parameters with rank 0's
 (bitwise; at stage 3 inside ``summon_full_params``) and the job fails if any differ.
+
+``--checkpoint-dir D`` checkpoints the whole training state every ``--checkpoint-every`` optimizer
+steps and at the end (:mod:`ddp.checkpoint`), and a job started on a directory holding one resumes
+from the newest valid checkpoint, mid-epoch included: with the same world size the result is
+bitwise the one of an uninterrupted run. ``--save-state OUT.pt`` writes rank 0's final model and
+optimizer state dicts.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from collectives.backends import backend_argument, describe_backends, device_typ
 from collectives.transport.shm import ShmTransport
 from data import DistributedSampler, ScatterDataset
 
+from .checkpoint import Checkpointer, CheckpointError, Found, fingerprint, kind_of
 from .distributed import DistributedDataParallel
 from .naive import all_reduce_gradients
 from .sync import broadcast_module, broadcast_tensors
@@ -73,6 +81,11 @@ class Config:
     trace: str | None = None
     plot: str | None = None
     verbose: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50  # optimizer steps
+    keep: int = 3
+    resume: bool = True
+    save_state: str | None = None
 
 
 def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,14 +113,26 @@ def make_model(hidden: int) -> nn.Module:
     )
 
 
-def _loader(cfg: Config, rank: int, world_size: int, x: torch.Tensor, y: torch.Tensor):
-    """(loader, set_epoch) for this rank's share of the training rows."""
-    if cfg.data == "scatter":  # only rank 0's copy is used; the others receive their shard
-        shard = ScatterDataset((x, y) if rank == 0 else None, src=0, shuffle=True, seed=cfg.seed)
-        return DataLoader(shard, batch_size=cfg.batch_size, shuffle=False), shard.set_epoch
-    full = TensorDataset(x, y)
-    sampler = DistributedSampler(full, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
-    return DataLoader(full, batch_size=cfg.batch_size, sampler=sampler), sampler.set_epoch
+class _Data:
+    """This rank's share of the training rows, epoch by epoch, from any position in the epoch."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.batch_size, self.world_size = cfg.batch_size, world_size
+        if cfg.data == "scatter":  # only rank 0's copy is used; the others receive their shard
+            self.shard: ScatterDataset | None = ScatterDataset((x, y) if rank == 0 else None, src=0, shuffle=True, seed=cfg.seed)
+        else:
+            self.shard = None
+            self.full = TensorDataset(x, y)
+            self.sampler = DistributedSampler(self.full, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
+
+    def epoch(self, epoch: int, consumed: int = 0) -> DataLoader:
+        """The loader of ``epoch`` without its first ``consumed`` rows (all ranks' together)."""
+        if self.shard is None:
+            self.sampler.set_epoch(epoch, start=consumed)
+            return DataLoader(self.full, batch_size=self.batch_size, sampler=self.sampler)
+        self.shard.set_epoch(epoch)  # shard r holds rows order[r::N]: a consumed prefix is consumed / N of each
+        rows = range(consumed // self.world_size, len(self.shard))
+        return DataLoader(torch.utils.data.Subset(self.shard, rows), batch_size=self.batch_size, shuffle=False)
 
 
 @torch.no_grad()
@@ -184,27 +209,35 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=cfg.lr, momentum=0.9)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    loader, set_epoch = _loader(cfg, rank, world_size, x_train, y_train)
-
-    # Every rank must take the same number of steps (a scatter shard may be one row shorter).
-    steps = torch.tensor([len(loader)], dtype=torch.int64, device=device)
-    collectives.all_reduce(steps, ReduceOp.MIN)
-    batches_per_epoch = int(steps.item())
-    losses: list[float] = []
+    data = _Data(cfg, rank, world_size, x_train, y_train)
+    at = _Position()
     epochs: list[dict[str, float]] = []
+    epoch_loss = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's sum of losses, batches
+    checkpointer = None
+    if cfg.checkpoint_dir:
+        checkpointer = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep, timeout=cfg.timeout)
+        found = checkpointer.prepare(fingerprint(model, optimizer, **_resume_settings(cfg)), resume=cfg.resume)
+        if found is not None:
+            at, epochs, epoch_loss = _resume(checkpointer, found, model, optimizer, cfg, rank, world_size, device)
+    memory = None
     tracer_cm = trace.tracing(rank) if cfg.trace else contextlib.nullcontext()
     started = time.perf_counter()
     with tracer_cm as tracer:
-        for epoch in range(cfg.epochs):
-            set_epoch(epoch)
-            epoch_loss = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, batches
-            bar = _progress(rank, batches_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
+        for epoch in range(at.epoch, cfg.epochs):
+            loader = data.epoch(epoch, at.consumed)
+            first, skipped = at.batch, at.consumed  # batches and rows of this epoch done before (a resumed epoch)
+            # Every rank must take the same number of steps (a scatter shard may be one row shorter).
+            count = torch.tensor([len(loader)], dtype=torch.int64, device=device)
+            collectives.all_reduce(count, ReduceOp.MIN)
+            total = int(count.item())
+            bar = _progress(rank, first + total, f"epoch {epoch + 1}/{cfg.epochs}", first)
             for i, (xb, yb) in enumerate(loader):
-                if i >= batches_per_epoch:
+                if i >= total:
                     break
+                batch, last = first + i, i + 1 == total
                 xb, yb = xb.to(device), yb.to(device)
-                sync = (i + 1) % cfg.accum == 0 or i + 1 == batches_per_epoch
-                with trace.span("step", "train", epoch=epoch, batch=i, sync=sync):
+                sync = (batch + 1) % cfg.accum == 0 or last
+                with trace.span("step", "train", epoch=epoch, batch=batch, sync=sync):
                     skip = not sync and not cfg.naive
                     if cfg.naive:  # what DDP's broadcast_buffers does: BatchNorm statistics follow rank 0
                         broadcast_tensors(list(model.buffers()))
@@ -224,18 +257,32 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss.item():.4f}")
                     bar.update()
+                if not sync:
+                    continue
+                at = _Position(epoch, batch + 1, skipped + (i + 1) * cfg.batch_size * world_size, at.step + 1)
+                if checkpointer is not None and at.step % cfg.checkpoint_every == 0 and not last:
+                    _checkpoint(checkpointer, model, optimizer, at, epochs, epoch_loss)
             if bar is not None:
                 bar.close()
             collectives.all_reduce(epoch_loss)  # mean training loss over every rank's batches
             mean_loss = float(epoch_loss[0] / epoch_loss[1])
-            losses.append(mean_loss)
+            epoch_loss.zero_()
             if cfg.naive:
                 broadcast_tensors(list(model.buffers()))
             accuracy = _accuracy(model, x_test, y_test)
             epochs.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": accuracy})
             if rank == 0:
                 log.info("epoch %2d/%d  train loss %.4f  test accuracy %5.1f%%", epoch + 1, cfg.epochs, mean_loss, 100 * accuracy)
+            at = _Position(epoch + 1, 0, 0, at.step)
+            if checkpointer is not None and (epoch + 1 == cfg.epochs or at.step % cfg.checkpoint_every == 0):
+                _checkpoint(checkpointer, model, optimizer, at, epochs, epoch_loss)
+    if checkpointer is not None:
+        checkpointer.close()
     elapsed = time.perf_counter() - started
+    if memory is None:  # resumed after the last step: nothing stepped in this process
+        memory = memory_report(model, optimizer)
+    if cfg.save_state:
+        save_state(cfg.save_state, model, optimizer)
 
     with model.summon_full_params() if cfg.zero == 3 else contextlib.nullcontext():  # type: ignore[operator]
         identical = _identical_parameters(model)
@@ -267,12 +314,76 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     return summary
 
 
-def _progress(rank: int, total: int, desc: str):
+def _progress(rank: int, total: int, desc: str, done: int = 0):
     if rank != 0 or not sys.stderr.isatty():  # the per-epoch log lines say enough in a log file
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
+    return tqdm(total=total, initial=done, desc=desc, leave=False, file=sys.stderr)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Position:
+    """Where training stands after an optimizer step: ``batch`` batches of ``epoch`` done, which
+    used its first ``consumed`` rows (all ranks' together), and ``step`` optimizer steps in all."""
+
+    epoch: int = 0
+    batch: int = 0
+    consumed: int = 0
+    step: int = 0
+
+
+def _resume_settings(cfg: Config) -> dict[str, Any]:
+    """What a checkpoint must have been trained with to be resumed (besides model and optimizer)."""
+    return {"batch_size": cfg.batch_size, "accum": cfg.accum, "data": cfg.data, "seed": cfg.seed}
+
+
+def _checkpoint(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer, at: _Position,
+                epochs: list[dict[str, float]], epoch_loss: torch.Tensor) -> None:
+    with trace.span("checkpoint", "train", step=at.step):
+        checkpointer.save(at.step, model, optimizer, extra={
+            "position": dataclasses.asdict(at), "epochs": epochs, "epoch_loss": epoch_loss.cpu()})
+
+
+def _resume(checkpointer: Checkpointer, found: Found, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config,
+            rank: int, world_size: int, device: torch.device) -> tuple[_Position, list[dict[str, float]], torch.Tensor]:
+    """Load ``found``; the position, epoch history and this rank's partial epoch loss it holds.
+
+    At another world size the position is in rows (the sampler shares the epoch's rest among the
+    new ranks) and rank 0 carries the partial epoch's loss of every saved rank."""
+    saved_n = int(found.manifest["world_size"])
+    if saved_n != world_size and cfg.data == "scatter":
+        raise CheckpointError(f"{found.path}: saved by {saved_n} ranks; --data scatter resumes only at that world size "
+                              f"(this job has {world_size}); use --data sampler to change it")
+    extras = checkpointer.load(found, model, optimizer)
+    at = _Position(**extras[0]["position"])
+    if saved_n == world_size:
+        epoch_loss = extras[rank]["epoch_loss"].clone()
+    else:
+        epoch_loss = sum(e["epoch_loss"] for e in extras) if rank == 0 else torch.zeros(2, dtype=torch.float64)
+    log.info("resumed at step %d: epoch %d, %d batches into it", at.step, at.epoch + 1, at.batch)
+    return at, list(extras[0]["epochs"]), epoch_loss.to(device)
+
+
+def save_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``--save-state``: rank 0 writes ``{"model": ..., "optimizer": ...}``, the unwrapped model's
+    full ``state_dict()`` and the optimizer's (ZeRO's consolidated), with ``torch.save`` through a
+    temporary file and a rename. Collective."""
+    if kind_of(model) == "sharded":
+        full = model.full_state_dict()  # type: ignore[operator]
+        optimizer.consolidate_state_dict(0)  # type: ignore[attr-defined]
+        if collectives.get_rank() != 0:
+            return
+        state = {"model": full, "optimizer": optimizer.state_dict()}
+    else:
+        if collectives.get_rank() != 0:
+            return
+        inner = getattr(model, "module", model)
+        state = {"model": inner.state_dict(), "optimizer": optimizer.state_dict()}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    log.info("wrote the final model and optimizer state to %s", path)
 
 
 def mode_name(cfg: Config) -> str:
@@ -367,7 +478,17 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace of every rank")
     p.add_argument("--plot", metavar="OUT.png", help="write the loss / accuracy curve")
     p.add_argument("--verbose", "-v", action="store_true", help="log the bucket layout and every collective")
+    p.add_argument("--checkpoint-dir", metavar="D", help="checkpoint the training state into D and resume from it")
+    p.add_argument("--checkpoint-every", metavar="S", type=int, default=50, help="optimizer steps between checkpoints (default 50)")
+    p.add_argument("--keep", metavar="K", type=int, default=3, help="complete checkpoints to keep (default 3)")
+    p.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="refuse to resume: fail if --checkpoint-dir already holds a checkpoint")
+    p.add_argument("--save-state", metavar="OUT.pt", help="write rank 0's final model and optimizer state dicts (torch.save)")
     a = p.parse_args(argv)
+    if a.checkpoint_every < 1 or a.keep < 1:
+        p.error("--checkpoint-every and --keep must be >= 1")
+    if a.save_state and not os.path.isdir(os.path.dirname(os.path.abspath(a.save_state))):
+        p.error(f"--save-state {a.save_state}: its directory does not exist")
     if a.world_size < 1 or a.epochs < 1 or a.batch_size < 1 or a.accum < 1:
         p.error("--world-size, --epochs, --batch-size and --accum must be >= 1")
     if a.naive and a.zero:
@@ -383,14 +504,19 @@ def parse_args(argv: list[str] | None = None) -> Config:
         world_size=a.world_size, backend=a.backend, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
         hidden=a.hidden, bucket_mb=a.bucket_mb, naive=a.naive, torch_ddp=a.torch_ddp, zero=a.zero, accum=a.accum,
         data=a.data, seed=a.seed,
-        timeout=a.timeout, trace=a.trace, plot=a.plot, verbose=a.verbose,
+        timeout=a.timeout, trace=a.trace, plot=a.plot, verbose=a.verbose, checkpoint_dir=a.checkpoint_dir,
+        checkpoint_every=a.checkpoint_every, keep=a.keep, resume=a.resume, save_state=a.save_state,
     )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    results = collectives.launch(train, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, log_level=logging.INFO)
+    try:
+        results = collectives.launch(train, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, log_level=logging.INFO)
+    except CheckpointError as exc:  # bad input, found before anything was written
+        log.error("ringddp-train: error: %s", exc)
+        return 1
     summary = next((r for r in results if r is not None), None)
     if summary is None:
         return 0  # under torchrun: only rank 0's process reports

@@ -71,6 +71,47 @@ def test_union_of_shards_covers_each_row_once_plus_padding(a):
             assert max(counts.values()) <= 1 + -(-padding // n)
 
 
+@settings(max_examples=150, deadline=None)
+@given(sampler_args(), st.integers(1, 8), st.integers(1, 40), st.data())
+def test_resuming_mid_epoch_sees_each_row_of_the_epoch_once(a, new_replicas, batch, data):
+    """A job interrupted after ``k`` batches of ``batch`` rows per rank resumes with
+    ``set_epoch(epoch, start=k * batch * num_replicas)``: at the same world size each rank's rest
+    is exactly the rest of its uninterrupted epoch; at any other one the rows seen before and after
+    the resume together are one epoch's (every row once, plus the padding of the resumed part)."""
+    n, reps = a["length"], a["num_replicas"]
+    full = [list(_pair(a, rank=r)[0]) for r in range(reps)]
+    k = data.draw(st.integers(0, max(0, -(-len(full[0]) // batch) - 1)))  # a batch boundary before the last batch
+    done, start = [s[: k * batch] for s in full], min(k * batch, len(full[0])) * reps
+    kwargs = dict(shuffle=a["shuffle"], seed=a["seed"], drop_last=a["drop_last"])
+
+    def rest(replicas: int, rank: int) -> list[int]:
+        s = DistributedSampler(range(n), num_replicas=replicas, rank=rank, **kwargs)
+        s.set_epoch(a["epoch"], start=start)
+        assert len(s) == len(list(s))
+        return list(s)
+
+    assert [d + rest(reps, r) for r, d in enumerate(done)] == full
+    after = [rest(new_replicas, r) for r in range(new_replicas)]
+    assert len({len(x) for x in after}) <= 1  # every new rank takes as many steps
+    seen = collections.Counter(i for part in done + after for i in part)
+    order = global_order(n, a["shuffle"], a["seed"], a["epoch"]).tolist()
+    padding = sum(len(x) for x in after) - (n - start)
+    if a["drop_last"]:
+        assert padding <= 0 and max(seen.values(), default=1) == 1
+        assert set(seen) == set(order[: start + sum(len(x) for x in after)])
+    else:
+        assert padding >= 0 and set(seen) == set(range(n))
+        assert sum(c - 1 for c in seen.values()) == padding
+
+
+def test_resume_start_is_checked():
+    s = DistributedSampler(range(10), 2, 0)
+    with pytest.raises(ValueError, match=r"start must be in \[0, 10\], got 11"):
+        s.set_epoch(0, start=11)
+    with pytest.raises(TypeError, match="start must be an int"):
+        s.set_epoch(0, start=1.0)
+
+
 def test_shuffle_changes_with_epoch_and_seed_only():
     ds = range(100)
     a = DistributedSampler(ds, 4, 1, shuffle=True, seed=3)
