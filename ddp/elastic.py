@@ -1,10 +1,10 @@
 """Training that survives a member's death: the lost member is replaced, the step redone, and the
 run ends bitwise where the same run without failures ends (DDP; issue 44's loop, first form).
 
-``python -m ddp.elastic --world-size 3 --steps 200 --chaos 3`` trains a small MLP on synthetic
-data with our DDP on an :class:`~collectives.ElasticGroup`, while the launcher (this process)
-kills or stops members at random moments from outside; each lost member is replaced by a new
-process in its slot, which heals from a live peer.
+:func:`run` starts the members on 127.0.0.1 and trains a :class:`Job` with our DDP on an
+:class:`~collectives.ElasticGroup`; each member killed or stopped from outside (SIGKILL,
+SIGSTOP) is replaced by a new process in its slot, which heals from a live peer. The main job
+runs this with ``python -m ddp.train --fault-tolerant``.
 
 **Why the result stays bitwise equal.** Every member starts step ``s`` with the same parameters
 and optimizer state (data parallelism). The step's batch is a function of ``(seed, s)`` and the
@@ -19,14 +19,16 @@ broadcasts parameters, buffers, optimizer state and the step number, bit for bit
 (who lost the step's all-reduce) thus roll forward; nobody rolls back, and no vote per step is
 needed: the failure-free overhead is nil beyond the heartbeat thread.
 
-**Limits.** DDP only (ZeRO-1/2 shards would need a replica of each optimizer shard), no shrink
-mode here, and a member's own state outside the model and optimizer must be a function of the
-step (as the sampler position and RNG are here).
+**Limits.** Our bucketed DDP only (ZeRO-1/2 shards would need a replica of each optimizer
+shard), no shrink mode and no warm spares yet, and a member's own state outside the model and
+optimizer must be a function of the step (as the sampler position and RNG are here). Buffers
+(BatchNorm's running statistics) are healed from the most advanced member too: rank 0's (slot
+0's) when it is among them, as DDP broadcasts them; when slot 0 itself lost the step they come
+from another member and differ from the failure-free run's (parameters and optimizer state do not).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import logging
@@ -34,11 +36,9 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import random
 import signal
-import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,36 +52,55 @@ from .distributed import DistributedDataParallel
 log = logging.getLogger(__name__)
 
 
+class Job(Protocol):
+    """What a fault-tolerant run trains: picklable (it travels to every member), and a pure
+    function of the step and slot (module docstring)."""
+
+    steps: int
+
+    def model(self) -> nn.Module:
+        """The model, the same on every member (a replacement's is overwritten by healing)."""
+
+    def batch(self, step: int, slot: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ``slot``'s inputs and targets at step ``step``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticJob:
+    """A small MLP with dropout on random features (the RNG matters): the tests' job."""
+
+    steps: int = 100
+    batch_size: int = 16
+    features: int = 32
+    hidden: int = 64
+    seed: int = 0
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return nn.Sequential(nn.Linear(self.features, self.hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(self.hidden, 4))
+
+    def batch(self, step: int, slot: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        x = torch.randn(world_size * self.batch_size, self.features, generator=g)
+        y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
+        rows = slice(slot * self.batch_size, (slot + 1) * self.batch_size)
+        return x[rows], y[rows]
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One fault-tolerant run (every member uses the same)."""
 
+    job: Job = SyntheticJob()
     world_size: int = 2
-    steps: int = 100
-    batch: int = 16
-    features: int = 32
-    hidden: int = 64
     lr: float = 0.05
-    seed: int = 0
+    bucket_mb: float = 0.01
+    seed: int = 0  # of the per-step RNG (dropout)
     backend: str = "shm"
     heartbeat: float = 2.0
     timeout: float = 60.0
     respawn_wait: float = 60.0  # seconds survivors wait for a replacement
     report_progress: bool = False  # publish each committed step (for chaos at given steps)
-
-
-def make_model(cfg: Config) -> nn.Module:
-    torch.manual_seed(cfg.seed)
-    return nn.Sequential(nn.Linear(cfg.features, cfg.hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(cfg.hidden, 4))
-
-
-def batch(cfg: Config, step: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot ``slot``'s rows of step ``step``'s global batch: a function of (seed, step) only."""
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    x = torch.randn(cfg.world_size * cfg.batch, cfg.features, generator=g)
-    y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
-    rows = slice(slot * cfg.batch, (slot + 1) * cfg.batch)
-    return x[rows], y[rows]
 
 
 def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> int:
@@ -103,7 +122,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout * 2))
     eg = collectives.ElasticGroup(store, slot, cfg.world_size, backend=cfg.backend, timeout=cfg.timeout,
                                   heartbeat=cfg.heartbeat)
-    model = make_model(cfg)
+    model = cfg.job.model()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     step, failed = (-1 if replacement else 0), 0
     stale = True  # every generation starts by healing: replacements may join the first one too
@@ -114,11 +133,11 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
                 if stale:
                     step = heal(eg.group, model, opt, step)
                     stale = False
-                if step >= cfg.steps:
+                if step >= cfg.job.steps:
                     break
                 if ddp is None:
-                    ddp = DistributedDataParallel(model, group=eg.group, bucket_cap_mb=0.01, init_sync=False)
-                x, y = batch(cfg, step, slot)
+                    ddp = DistributedDataParallel(model, group=eg.group, bucket_cap_mb=cfg.bucket_mb, init_sync=False)
+                x, y = cfg.job.batch(step, slot, cfg.world_size)
                 torch.manual_seed(cfg.seed * 1_000_003 + slot * 10_007 + step)
                 opt.zero_grad(set_to_none=True)
                 nn.functional.cross_entropy(ddp(x), y).backward()
@@ -255,38 +274,3 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                 p.kill()
             p.join(10)
     return Outcome(reports, events, recoveries)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddp.elastic", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", "-n", type=int, default=2)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--backend", default="shm", choices=["shm", "p2p"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heartbeat", type=float, default=2.0, help="seconds of silence that make a member dead")
-    p.add_argument("--chaos", type=int, default=0, help="SIGKILL/SIGSTOP a member after this many random steps")
-    p.add_argument("--chaos-seed", type=int, default=0)
-    p.add_argument("--save-state", metavar="OUT.pt", help="torch.save slot 0's final model and optimizer state dicts")
-    args = p.parse_args(argv)
-    if args.world_size < 2 or args.steps < 1 or args.chaos < 0 or not args.heartbeat > 0:
-        p.error("need --world-size >= 2, --steps >= 1, --chaos >= 0, --heartbeat > 0")
-    logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(name)s: %(message)s")
-    cfg = Config(world_size=args.world_size, steps=args.steps, backend=args.backend, seed=args.seed,
-                 heartbeat=args.heartbeat, report_progress=bool(args.chaos))
-    rnd = random.Random(args.chaos_seed)
-    chaos = [(rnd.randrange(cfg.steps), rnd.randrange(cfg.world_size), rnd.choice([signal.SIGKILL, signal.SIGSTOP]))
-             for _ in range(args.chaos)]
-    started = time.monotonic()
-    out = run(cfg, chaos)
-    identical = all(r["identical"] for r in out.reports.values())
-    print(f"{cfg.steps} steps on {cfg.world_size} members in {time.monotonic() - started:.1f}s, "
-          f"{out.recoveries} members replaced; parameters identical on every rank: {identical}")
-    for e in out.events:
-        print("  " + e)
-    if args.save_state:
-        torch.save({"model": out.reports[0]["state"], "optimizer": out.reports[0]["optimizer"]}, args.save_state)
-    return 0 if identical else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

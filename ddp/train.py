@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ from collectives.backends import backend_argument, describe_backends, device_typ
 from collectives.transport.shm import ShmTransport
 from data import DistributedSampler, ScatterDataset
 
+from . import elastic
 from .checkpoint import Checkpointer, CheckpointError, Found, fingerprint, kind_of
 from .distributed import DistributedDataParallel
 from .naive import all_reduce_gradients
@@ -86,8 +88,11 @@ class Config:
     keep: int = 3
     resume: bool = True
     save_state: str | None = None
+    fault_tolerant: bool = False
+    heartbeat: float = 2.0
 
 
+@functools.lru_cache(maxsize=4)
 def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The digits data set as float features in [0, 1] and int64 labels, split 80/20 by ``seed``."""
     from sklearn.datasets import load_digits
@@ -111,6 +116,39 @@ def make_model(hidden: int) -> nn.Module:
         nn.ReLU(),
         nn.Linear(hidden, 10),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DigitsJob:
+    """The main job as a :class:`ddp.elastic.Job` (``--fault-tolerant``): the same model, and step
+    ``s``'s batch of slot ``k`` is the one the plain job's sampler gives rank ``k`` there (epoch
+    ``s // steps_per_epoch``, shuffled by the seed), so it depends on nothing but the step."""
+
+    epochs: int
+    world_size: int
+    batch_size: int
+    hidden: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        rows = len(load_digits_split(self.seed)[0])
+        return -(-rows // self.world_size // self.batch_size)  # ceil of the sampler's per-rank share
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return make_model(self.hidden)
+
+    def batch(self, step: int, slot: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = load_digits_split(self.seed)[:2]
+        sampler = DistributedSampler(TensorDataset(x, y), num_replicas=world_size, rank=slot, shuffle=True, seed=self.seed)
+        sampler.set_epoch(step // self.steps_per_epoch)
+        rows = list(sampler)[(step % self.steps_per_epoch) * self.batch_size:][: self.batch_size]
+        return x[rows], y[rows]
 
 
 class _Data:
@@ -365,18 +403,20 @@ def _resume(checkpointer: Checkpointer, found: Found, model: nn.Module, optimize
     return at, list(extras[0]["epochs"]), epoch_loss.to(device)
 
 
-def save_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int | None = None) -> None:
     """``--save-state``: rank 0 writes ``{"model": ..., "optimizer": ...}``, the unwrapped model's
     full ``state_dict()`` and the optimizer's (ZeRO's consolidated), with ``torch.save`` through a
-    temporary file and a rename. Collective."""
+    temporary file and a rename. Collective for ZeRO; ``rank`` (default: this process's rank in
+    the default group) lets the fault-tolerant launcher, which is in no group, write."""
+    rank = collectives.get_rank() if rank is None else rank
     if kind_of(model) == "sharded":
         full = model.full_state_dict()  # type: ignore[operator]
         optimizer.consolidate_state_dict(0)  # type: ignore[attr-defined]
-        if collectives.get_rank() != 0:
+        if rank != 0:
             return
         state = {"model": full, "optimizer": optimizer.state_dict()}
     else:
-        if collectives.get_rank() != 0:
+        if rank != 0:
             return
         inner = getattr(model, "module", model)
         state = {"model": inner.state_dict(), "optimizer": optimizer.state_dict()}
@@ -484,7 +524,22 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="refuse to resume: fail if --checkpoint-dir already holds a checkpoint")
     p.add_argument("--save-state", metavar="OUT.pt", help="write rank 0's final model and optimizer state dicts (torch.save)")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="survive members killed or stopped from outside: replace them, redo the lost step (bucketed DDP, one host)")
+    p.add_argument("--heartbeat", type=float, default=2.0, help="--fault-tolerant: seconds of silence that make a member dead")
     a = p.parse_args(argv)
+    if a.fault_tolerant:
+        clash = [flag for flag, on in [("--naive", a.naive), ("--zero", a.zero), ("--torch-ddp", a.torch_ddp),
+                                       ("--accum", a.accum != 1), ("--data scatter", a.data == "scatter"),
+                                       ("--checkpoint-dir", a.checkpoint_dir), ("--trace", a.trace), ("--plot", a.plot)] if on]
+        if clash:
+            p.error(f"--fault-tolerant runs bucketed DDP with --data sampler and --accum 1; drop {', '.join(clash)}")
+        if resolve_backend(a.backend) not in ("auto", "shm", "p2p"):
+            p.error(f"--fault-tolerant re-forms groups on the shm and p2p backends (or auto), not {a.backend}")
+        if a.world_size < 2 or not a.heartbeat > 0:
+            p.error("--fault-tolerant needs --world-size >= 2 and --heartbeat > 0")
+        if os.environ.get("TORCHELASTIC_RUN_ID") or "RANK" in os.environ:
+            p.error("--fault-tolerant starts and replaces its own members: run it without torchrun")
     if a.checkpoint_every < 1 or a.keep < 1:
         p.error("--checkpoint-every and --keep must be >= 1")
     if a.save_state and not os.path.isdir(os.path.dirname(os.path.abspath(a.save_state))):
@@ -506,12 +561,38 @@ def parse_args(argv: list[str] | None = None) -> Config:
         data=a.data, seed=a.seed,
         timeout=a.timeout, trace=a.trace, plot=a.plot, verbose=a.verbose, checkpoint_dir=a.checkpoint_dir,
         checkpoint_every=a.checkpoint_every, keep=a.keep, resume=a.resume, save_state=a.save_state,
+        fault_tolerant=a.fault_tolerant, heartbeat=a.heartbeat,
     )  # fmt: skip
+
+
+def fault_tolerant(cfg: Config) -> int:
+    """``--fault-tolerant``: the job on :func:`ddp.elastic.run` (members replaced, steps redone)."""
+    job = DigitsJob(cfg.epochs, cfg.world_size, cfg.batch_size, cfg.hidden, cfg.seed)
+    ecfg = elastic.Config(job=job, world_size=cfg.world_size, lr=cfg.lr, bucket_mb=cfg.bucket_mb, seed=cfg.seed,
+                          backend=resolve_backend(cfg.backend), heartbeat=cfg.heartbeat, timeout=cfg.timeout)
+    started = time.monotonic()
+    out = elastic.run(ecfg)
+    if not all(r["identical"] for r in out.reports.values()):
+        log.error("ringddp-train: the members' parameters differ")
+        return 1
+    if cfg.save_state:
+        model = job.model()
+        model.load_state_dict(out.reports[0]["state"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+        optimizer.load_state_dict(out.reports[0]["optimizer"])
+        save_state(cfg.save_state, model, optimizer, rank=0)
+    redone = sum(r["failed_steps"] for r in out.reports.values())
+    log.info("done: fault-tolerant bucketed DDP, %d ranks: %d steps in %.1fs; parameters identical on every rank; "
+             "%d members replaced, %d step attempts redone", cfg.world_size, job.steps, time.monotonic() - started,
+             out.recoveries, redone)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if cfg.fault_tolerant:
+        return fault_tolerant(cfg)
     try:
         results = collectives.launch(train, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, log_level=logging.INFO)
     except CheckpointError as exc:  # bad input, found before anything was written

@@ -79,7 +79,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("ddp.zero.checkpoint",),
     ("ddp.zero",),
     ("ddp",),
-    ("ddp.train", "ddp.bench", "ddp.elastic"),
+    ("ddp.checkpoint", "ddp.elastic"),
+    ("ddp.train", "ddp.bench"),
+    ("ddp.bench_checkpoint",),
 ]
 
 
