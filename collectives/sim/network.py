@@ -13,17 +13,17 @@ message takes one of two kinds of path:
   leaves also crosses its leaf's *uplink* and the other leaf's *downlink*, each of bandwidth
   ``hosts_per_switch * nics_per_host * NIC bandwidth / oversubscription``.
 
-Every link is a queue (:mod:`collectives.transport.sim`): a message holds each link of its path
-for its bytes at that link's rate and arrives ``α + S·β`` after it starts, with ``β`` its
-path's slowest link. Alone on its path, a message costs exactly the α/β formula of
-``costmodel``; messages that meet on a link wait their turn.
+Every link is a first-come-first-served queue (:mod:`collectives.transport.sim`): a message
+is carried by each link of its path at that link's rate when the link is free, and arrives
+``α`` after the last one has carried it. Alone on its path, a message costs exactly the α/β
+formula of ``costmodel`` (``β`` of the path's slowest link); messages that meet on a link take
+turns.
 
 Limits of the model (what it does not see): α is pure latency (a rank can have many messages in
-flight at once, each paying α without holding a link); a message holds all its links from one
-start time (no store-and-forward, no packet interleaving: two flows on a link take turns rather
-than splitting it, which conserves the link's bytes per second but not the flows' finishing
-order); local reductions and copies take no time unless modelled with ``Simulation.sleep``;
-no congestion control, no adaptive routing, no NIC or PCIe limits beyond the ones above.
+flight at once, each paying α without holding a link); the links of a path queue independently
+(no head-of-line blocking, no packet interleaving, infinite switch buffers); local reductions
+and copies take no time unless modelled with ``Simulation.sleep``; no congestion control, no
+adaptive routing, no PCIe or memory-bandwidth limits beyond the links above.
 """
 
 from __future__ import annotations

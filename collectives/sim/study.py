@@ -80,13 +80,17 @@ class Result:
 
 def shrink(op: str, nbytes: int, n: int, tuning: Tuning) -> tuple[int, float, Tuning]:
     """(elements of the stand-in buffer, bytes each of its bytes stands for, the scaled tuning)
-    for a timing-only ``op`` of ``nbytes`` on ``n`` ranks (module docstring). Buffers that are
-    already small run as they are (factor 1)."""
-    per_segment = max(1, math.ceil(nbytes / max(n, 1) / tuning.segment_bytes))
-    m = n * per_segment  # a multiple of n: equal chunks for every op
-    real = max(0, nbytes // _ITEM)
+    for a timing-only ``op`` of ``nbytes`` on ``n`` ranks (module docstring).
+
+    The stand-in has ``n × K`` elements, ``K`` the number of segments of the whole real buffer:
+    a multiple of ``n`` (equal chunks for every op) and at least one element per segment of a
+    chunk, so the algorithms cut as many segments (hence messages) as on the real buffer. A
+    buffer already that small runs as it is (factor 1).
+    """
+    m = n * max(1, math.ceil(nbytes / tuning.segment_bytes))
+    real = nbytes // _ITEM
     if real <= m:
-        return _round_up(real, n) if op != "all_reduce" and op != "broadcast" else real, 1.0, tuning
+        return real if op in ("all_reduce", "broadcast") else _round_up(real, n), 1.0, tuning
     scale = nbytes / (m * _ITEM)
     scaled = dataclasses.replace(
         tuning,

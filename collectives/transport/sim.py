@@ -26,12 +26,17 @@ Messages
 Links and contention
     The fabric (:class:`Fabric`; :class:`collectives.sim.network.Network` is the model shipped)
     says for a pair of ranks the latency ``α``, the seconds per byte ``β`` of the path's
-    slowest link, and which links the path crosses, each with its own ``β``. A message of ``S``
-    bytes posted at ``t`` starts at ``start = max(t, free(l) for l in path)``, holds each link
-    ``l`` for its own ``S·β_l`` (``free(l) = start + S·β_l``) and arrives at
-    ``start + α + S·β``. Alone on its path a message takes exactly the α/β formula; messages
-    that share a link queue on it in posting order, so a link never carries more bytes per
-    second than its bandwidth. ``contention=False`` skips the queues (every message as if alone).
+    slowest link, and which links the path crosses, each with its own ``β``. Every link is a
+    first-come-first-served queue: a message of ``S`` bytes posted at ``t`` is carried by link
+    ``l`` from ``max(t, free(l))`` for ``S·β_l`` (then ``free(l)`` moves to the end of that), and
+    arrives ``α`` after the last of its links has carried it, and no sooner than
+    ``t + α + S·β``. Alone on its path a message takes exactly the α/β formula; a link shared by
+    messages at once carries them one after another, so it never moves more bytes per second
+    than its bandwidth, and a collective's time is at least its busiest link's bytes over that
+    link's bandwidth. The links of a path are not coupled (a message may be carried by one link
+    while another still serves earlier messages, as cut-through switching with deep buffers
+    would): the model sees bandwidth sharing, not head-of-line blocking or packet interleaving.
+    ``contention=False`` skips the queues (every message as if alone).
 
 Deadlock and failure
     When no rank can run (the heap is empty) but some wait, no message they wait for can ever
@@ -277,18 +282,20 @@ class Simulation:
         charges its bytes times ``byte_scale`` (default: the simulation's)."""
         req = SimRequest(self, False, src, dst, tensor, op)
         self.messages += 1
-        # the fabric's queues (module docstring): start when every link of the path is free
+        # the fabric's queues (module docstring): each link carries it when it is free
         alpha, beta, links = self.fabric.route(src, dst)
         size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
-        start = self.now
+        now = self.now
+        end = now + size * beta
         if self.contention and size:
             free = self._free
-            for link, _ in links:
-                if free[link] > start:
-                    start = free[link]
             for link, link_beta in links:
-                free[link] = start + size * link_beta
-        req.done_at = arrival = start + alpha + size * beta
+                done = (free[link] if free[link] > now else now) + size * link_beta
+                free[link] = done
+                if done > end:
+                    end = done
+        req.done_at = arrival = end + alpha
+        start = end - size * beta
         key = src * self.world_size + dst
         waiting = self._recvs.get(key)
         if waiting:
