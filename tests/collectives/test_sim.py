@@ -91,7 +91,7 @@ def _battery(rank: int, n: int, sizes: list[int], quadratic: bool, hier: bool) -
     [
         (1, 1, True), (2, 1, True), (3, 1, True), (1, 5, True), (17, 1, True), (4, 8, True),  # 17: prime
         (33, 1, True), (5, 13, True),  # 2^5 + 1, 2^6 + 1
-        (1, 1021, False), (25, 41, False),  # 1,021 (prime); 1,025 = 2^10 + 1 as 25 hosts of 41
+        (1, 1021, False), (1, 1025, False),  # 1,021 (prime), 2^10 + 1
     ],
 )
 def test_every_collective_exact_at_scale(hosts: int, per_host: int, quadratic: bool) -> None:
