@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     s.set_defaults(fn=study)
     d = sub.add_parser("ddp", help="how much of a DDP step's all-reduce hides behind backward")
     _network_arguments(d)
-    d.add_argument("--world-sizes", default="16,128,1024", help="comma-separated n (default 16,128,1024)")
+    d.add_argument("--world-sizes", default="16,128", help="comma-separated n (default 16,128)")
     d.add_argument("--model-mb", type=float, default=100.0, help="gradient bytes, MiB (default 100)")
     d.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap, MiB (default 25)")
     d.add_argument("--backward-ms", type=float, default=60.0, help="backward compute time, ms (default 60)")

@@ -436,8 +436,8 @@ class SimTransport(Transport):
 
     def operation(self, name: str) -> ContextManager[None]:
         delay = self.sim.delays.get(self.me, 0.0)
-        if delay:
-            self.sim.sleep(delay)
+        if delay:  # a straggler: late into every collective
+            self.sim.sleep_until(self.sim.now + delay)
         if self.sim.events is None:
             return super().operation(name)
         labels = contextlib.ExitStack()
