@@ -25,11 +25,12 @@ from typing import Sequence
 
 import torch
 
+from ..api import all_reduce
 from ..costmodel import Link
 from ..ops import ReduceOp
 from ..sizes import human_size, parse_size
 from ..transport.sim import Simulation
-from . import launch
+from . import clock, launch
 from .ddp import StepReport, simulate_step
 from .network import DEFAULT_INTER, DEFAULT_INTRA, Network, links_from_bench
 from .study import ALGORITHMS, crossovers, plot, sweep, table, time_collective
@@ -140,12 +141,8 @@ def ddp(args: argparse.Namespace) -> None:
 
 
 def _ring_rank(rank: int, world_size: int, numel: int) -> float:
-    import collectives as dist
-
-    from . import clock
-
     t = torch.full((numel,), float(rank))
-    dist.all_reduce(t, ReduceOp.SUM, algorithm="ring")
+    all_reduce(t, ReduceOp.SUM, algorithm="ring")
     expected = world_size * (world_size - 1) / 2
     if not bool((t == expected).all()):
         raise AssertionError(f"rank {rank}: ring all-reduce result differs from {expected}")
