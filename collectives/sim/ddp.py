@@ -9,9 +9,10 @@ buckets in order, each as soon as it is ready and the previous one is done (one 
 stream per rank, as our DDP has), with the engine's choice of algorithm, timing-only
 (:func:`collectives.sim.study.shrink`).
 
-The report: backward time, the all-reduces' total time (each measured from its start to its
-end on the slowest rank's clock), the step time, and the *exposed* communication: the step time
-beyond backward. ``hidden = 1 - exposed / communication``.
+The report: backward time (the slowest rank's), the all-reduces' total time (each from the
+first rank's start to the last rank's end, so waiting for a straggler counts), the step time, and
+the *exposed* communication: the step time beyond backward. ``hidden = 1 - exposed /
+communication``.
 """
 
 from __future__ import annotations
