@@ -97,7 +97,7 @@ def _battery(rank: int, n: int, sizes: list[int], quadratic: bool, hier: bool) -
 def test_every_collective_exact_at_scale(hosts: int, per_host: int, quadratic: bool) -> None:
     n = hosts * per_host
     # empty, one element, fewer than n, not divisible by n
-    # (at 1,000+ ranks the algorithms run send whole buffers: sizes below n add nothing there)
+    # at 1,000+ ranks only algorithms that send whole buffers run: sizes below n add nothing there
     sizes = [0, 1, max(1, n - 1), 3 * n + 1] if quadratic else [0, n + 3]
     net = Network(hosts, per_host)
     failures = sim.launch(_battery, n, sizes, quadratic, hosts > 1, network=net)
