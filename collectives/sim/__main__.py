@@ -1,11 +1,12 @@
 """``python -m collectives.sim``: study collectives at scale on a simulated network.
 
-Three commands (``study`` when none is given)::
+Four commands (``study`` when none is given)::
 
     python -m collectives.sim study --hosts 16 --ranks-per-host 8 --world-sizes 16,128 \\
         --sizes 4K,256K,16M --plot sim.png --trace ring.json
     python -m collectives.sim ddp --hosts 16 --ranks-per-host 8 --model-mb 400 --bucket-mb 25 --backward-ms 120
     python -m collectives.sim bench --world-size 1024 --mb 64          # the ring's simulation speed
+    python -m collectives.sim validate bench.json --hosts 2            # against a measured run
 
 ``--world-sizes`` scales the topology: each n keeps ``--ranks-per-host`` and takes n / that many
 hosts. ``--links FILE`` starts from this machine's fitted links (``collectives.bench --model
@@ -174,6 +175,24 @@ def bench(args: argparse.Namespace) -> None:
         )
 
 
+def validate(args: argparse.Namespace) -> None:
+    """Simulate every row of a ``collectives.bench --hosts H --model --json`` run with the links it
+    fitted, on ``H`` hosts, and print measured vs simulated time."""
+    with open(args.bench) as f:
+        rows = json.load(f)
+    links = links_from_bench(args.bench)
+    print(f"{'op':<12}{'n':>3}{'hosts':>6}{'size':>8}  {'algorithm':<19}{'measured us':>13}{'simulated us':>14}{'sim/meas':>10}")
+    for row in rows:
+        n = row["world_size"]
+        net = Network(args.hosts, n // args.hosts, links.get("local", DEFAULT_INTRA), links.get("net", DEFAULT_INTER))
+        algorithm = row["algorithm"] if row["algorithm"] in ALGORITHMS.get(row["op"], ()) else "auto"
+        result, _ = time_collective(net, row["op"], row["bytes"], algorithm, exact=True)
+        print(
+            f"{row['op']:<12}{n:>3}{args.hosts:>6}{human_size(row['bytes']):>8}  {algorithm:<19}{row['ours_us']:>13.0f}"
+            f"{result.seconds * 1e6:>14.0f}{result.seconds * 1e6 / row['ours_us']:>10.2f}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m collectives.sim", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
@@ -204,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("--mb", type=float, default=64.0, help="MiB all-reduced (default 64)")
     b.add_argument("--exact-numel", type=int, default=0, help="also run exact with this many floats per rank")
     b.set_defaults(fn=bench)
+    v = sub.add_parser("validate", help="simulated vs measured times of a collectives.bench --hosts --model run")
+    v.add_argument("bench", help="the JSON of `collectives.bench --hosts H --model --json FILE`")
+    v.add_argument("--hosts", type=int, required=True, help="the --hosts of that run")
+    v.set_defaults(fn=validate)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv.insert(0, "study")

@@ -265,3 +265,13 @@ def test_network_checks_its_arguments_and_reads_fitted_links(tmp_path) -> None:
                                  "local_beta": 1e-10}]))
     links = sim.links_from_bench(str(path))
     assert links == {"net": Link(1e-5, 1e-9), "local": Link(1e-6, 1e-10)}
+
+
+def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, capsys) -> None:
+    path = tmp_path / "bench.json"
+    row = {"op": "all_reduce", "world_size": 4, "bytes": 1 << 20, "algorithm": "ring", "ours_us": 1000.0,
+           "net_alpha": 1e-4, "net_beta": 8e-9, "local_alpha": 1e-5, "local_beta": 1e-10}
+    path.write_text(json.dumps([row]))
+    main(["validate", str(path), "--hosts", "4"])
+    simulated = 6 * (1e-4 + (1 << 20) / 4 * 8e-9) * 1e6  # 4 hosts of one rank: a ring over the net link
+    assert f"{simulated:.0f}" in capsys.readouterr().out
