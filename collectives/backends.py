@@ -17,6 +17,8 @@ Built-in backends (registered at the bottom of this file):
                spans hosts runs the hierarchical algorithms' intra-host phases over shared memory
 ``nccl-cupy``  our algorithms over NCCL send/recv through CuPy; aliases ``nccl``, ``cupy``
 ``torch``      torch.distributed's own collectives: the reference; alias ``reference``
+``sim``        our algorithms on virtual ranks in one process, over a modelled network, on a
+               virtual clock (``transport/sim.py``; start them with ``collectives.sim.launch``)
 =============  ===========================================================================
 
 Your own transport, in your own file, becomes a backend with one call::
@@ -47,6 +49,7 @@ from .hierarchical import HostTransport
 from .topology import Layout
 from .transport.base import GroupInfo, Transport
 from .transport.shm import ShmTransport
+from .transport.sim import SimTransport
 from .transport.torch_p2p import TorchP2PTransport
 
 log = logging.getLogger(__name__)
@@ -320,4 +323,9 @@ register_backend(
 register_backend(
     "shm", "cpu", make_transport=ShmTransport.for_group, auto_priority=1, usable=ShmTransport.usable,
     description="our algorithms over shared memory, every rank on one host (falls back to p2p under auto)",
+)
+register_backend(
+    "sim", "cpu",
+    make_engine=lambda g, device: AlgorithmEngine(SimTransport.for_group(g), g.tuning, device, Layout.from_keys(g.hosts)),
+    description="our algorithms on virtual ranks in one process, on a modelled network's virtual clock (collectives.sim)",
 )

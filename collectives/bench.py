@@ -377,6 +377,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         row["model_us"] = 1e6 * costmodel.predict(
                             op, size, layout, links["net"], links["local"], ours.tuning, algorithm, links.get("shm"))
                         row["net_alpha"], row["net_beta"] = links["net"].alpha, links["net"].beta
+                        row["local_alpha"], row["local_beta"] = links["local"].alpha, links["local"].beta
                     rows.append(row)
                     log.info("%s", format_row(row, check_cost=check_cost, shm=shm))
     return rows

@@ -20,6 +20,7 @@ or any registered with :func:`collectives.register_backend`.
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import itertools
 import logging
@@ -407,6 +408,8 @@ def _exchange_hosts(store: dist.Store, rank: int, size: int, seconds: float) -> 
 
 
 _world: Group | None = None
+#: a default group bound to the calling context only (a virtual rank of collectives.sim), over _world
+_bound_world: contextvars.ContextVar[Group | None] = contextvars.ContextVar("ringddp_default_group", default=None)
 _owns_torch_group = False
 _subgroups: list[Group] = []
 _created = itertools.count()
@@ -508,19 +511,41 @@ def destroy_process_group() -> None:
     _owns_torch_group = False
 
 
+def bind_default_group(group: Group | None) -> contextvars.Token:
+    """Make ``group`` the default group of the calling context only, over the process-wide one.
+
+    The simulated backend (:mod:`collectives.sim`) runs many virtual ranks in one process, each in
+    a context of its own: each binds its own world group, so that ``get_default_group()`` and
+    every collective called without ``group=`` act on the calling virtual rank's group. Returns
+    the token that :func:`unbind_default_group` takes to undo it.
+    """
+    return _bound_world.set(group)
+
+
+def unbind_default_group(token: contextvars.Token) -> None:
+    """Undo :func:`bind_default_group`."""
+    _bound_world.reset(token)
+
+
+def _default() -> Group | None:
+    bound = _bound_world.get()
+    return _world if bound is None else bound
+
+
 def is_initialized() -> bool:
-    return _world is not None
+    return _default() is not None
 
 
 def group_count() -> int:
     """How many groups this rank is in: the default group (if any) plus its subgroups."""
-    return (_world is not None) + len(_subgroups)
+    return (_default() is not None) + len(_subgroups)
 
 
 def get_default_group() -> Group:
-    if _world is None:
+    world = _default()
+    if world is None:
         raise RuntimeError("collectives are not initialised: call collectives.init_process_group() first")
-    return _world
+    return world
 
 
 #: torch's ``GroupMember.NON_GROUP_MEMBER``: what ``new_group`` gives a rank outside the group.
@@ -587,7 +612,8 @@ def member(group: Group | NonMember | None, op_name: str) -> Group | None:
     if isinstance(group, Group):  # the common case first: one check
         return group
     if is_non_member(group):
-        rank = -1 if _world is None else _world.rank()
+        world = _default()
+        rank = -1 if world is None else world.rank()
         warnings.warn(f"Running {op_name} on global rank {rank} which does not belong to the given group.", stacklevel=3)
         return None
     return get_group(group)
@@ -634,5 +660,5 @@ def new_group(
 def __getattr__(name: str) -> Group | None:
     """``collectives.group.WORLD``: the default group when read (``None`` before init), like torch's."""
     if name == "WORLD":
-        return _world
+        return _default()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

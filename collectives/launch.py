@@ -31,6 +31,7 @@ from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
+from .backends import resolve_backend
 from .errors import timeout_seconds
 from .group import destroy_process_group, init_process_group
 
@@ -77,7 +78,9 @@ def launch(
 
     Args:
         fn: a picklable (module-level) function.
-        backend: collectives backend (see :func:`collectives.init_process_group`).
+        backend: collectives backend (see :func:`collectives.init_process_group`). ``"sim"``
+            runs the ranks as virtual ranks inside this process on a modelled network
+            (:func:`collectives.sim.launch`, which also takes the network).
         timeout: deadline of every collective's waits, and of the rendezvous.
         join_timeout: stop everything and raise :class:`LaunchError` if the whole job takes longer.
         log_level: logging level of the children (default: this process's root level).
@@ -86,6 +89,10 @@ def launch(
         raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
+    if backend is not None and resolve_backend(backend) == "sim":  # virtual ranks, in this process
+        from .sim import launch as launch_virtual
+
+        return launch_virtual(fn, world_size, *args, timeout=timeout)
     level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
     env_rank = _from_environment()
     if env_rank is not None:

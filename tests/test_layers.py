@@ -33,7 +33,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.wire",),
     # transports: the interface, then its implementations (shm falls back to p2p)
     ("collectives.transport.base", "collectives.transport"),
-    ("collectives.transport.subset", "collectives.transport.torch_p2p", "collectives.transport.cupy_nccl"),
+    ("collectives.transport.subset", "collectives.transport.torch_p2p", "collectives.transport.cupy_nccl",
+     "collectives.transport.sim"),
     # the shared-memory transport, one concept per file (see its package docstring)
     ("collectives.transport.shm.control",),
     ("collectives.transport.shm.config",),
@@ -49,9 +50,13 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.shm_algorithms", "collectives.adoption"),
     ("collectives.hierarchical",),
     ("collectives.costmodel",),
-    ("collectives.engine",),
+    ("collectives.engine", "collectives.sim.network"),
+    # the simulator's studies: engines on virtual ranks (below the groups; collectives.sim binds them)
+    ("collectives.sim.study",),
+    ("collectives.sim.ddp",),
     ("collectives.backends",),
     ("collectives.group",),
+    ("collectives.sim",),
     # the public API
     ("collectives.api", "collectives.launch", "collectives.elastic"),
     ("collectives.p2p",),
@@ -64,7 +69,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.testing.runner",),
     ("collectives.testing.plugin", "collectives.testing.__main__"),
     ("collectives.testing",),
-    ("collectives.bench",),
+    ("collectives.bench", "collectives.sim.__main__"),
     # data: ways to feed ranks
     ("data.sampler",),
     ("data.scatter",),

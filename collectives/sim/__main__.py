@@ -1,0 +1,238 @@
+"""``python -m collectives.sim``: study collectives at scale on a simulated network.
+
+Four commands (``study`` when none is given)::
+
+    python -m collectives.sim study --hosts 16 --ranks-per-host 8 --world-sizes 16,128 \\
+        --sizes 4K,256K,16M --plot sim.png --trace ring.json
+    python -m collectives.sim ddp --hosts 16 --ranks-per-host 8 --model-mb 400 --bucket-mb 25 --backward-ms 120
+    python -m collectives.sim bench --world-size 1024 --mb 64          # the ring's simulation speed
+    python -m collectives.sim validate bench.json --hosts 2            # against a measured run
+
+``--world-sizes`` scales the topology: each n keeps ``--ranks-per-host`` and takes n / that many
+hosts. ``--links FILE`` starts from this machine's fitted links (``collectives.bench --model
+--json FILE``) instead of the defaults (a 100 Gb/s NIC, shared memory inside a host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import resource
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+from ..api import all_reduce
+from ..costmodel import Link
+from ..ops import ReduceOp
+from ..sizes import human_size, parse_size
+from ..transport.sim import Simulation
+from . import clock, launch
+from .ddp import StepReport, simulate_step
+from .network import DEFAULT_INTER, DEFAULT_INTRA, Network, links_from_bench
+from .study import ALGORITHMS, crossovers, plot, sweep, table, time_collective
+
+log = logging.getLogger("collectives.sim")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _sizes(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",") if x]
+
+
+def _network_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network")
+    g.add_argument("--hosts", type=int, default=16, help="hosts (default 16)")
+    g.add_argument("--ranks-per-host", type=int, default=8, help="ranks per host (default 8)")
+    g.add_argument("--nics", type=int, default=1, help="NICs per host (default 1)")
+    g.add_argument("--hosts-per-switch", type=int, default=0, help="hosts per leaf switch (0: one switch)")
+    g.add_argument("--oversubscription", type=float, default=1.0, help="leaf uplink oversubscription (default 1)")
+    g.add_argument("--links", help="fitted links from `collectives.bench --model --json FILE`")
+    g.add_argument("--inter-us", type=float, help="NIC latency α in µs (default 5)")
+    g.add_argument("--inter-gbps", type=float, help="NIC bandwidth in GB/s (default 12.5)")
+    g.add_argument("--intra-us", type=float, help="intra-host latency α in µs (default 2)")
+    g.add_argument("--intra-gbps", type=float, help="intra-host bandwidth in GB/s (default 20)")
+    g.add_argument("--no-contention", action="store_true", help="every message as if alone on its links")
+
+
+def network_from(args: argparse.Namespace, hosts: int | None = None) -> Network:
+    """The :class:`Network` the arguments describe (``hosts`` overrides ``--hosts``)."""
+    inter, intra = DEFAULT_INTER, DEFAULT_INTRA
+    if args.links:
+        fitted = links_from_bench(args.links)
+        inter = fitted.get("net", inter)
+        intra = fitted.get("local", intra)
+    if args.inter_us is not None or args.inter_gbps is not None:
+        inter = Link(
+            inter.alpha if args.inter_us is None else args.inter_us * 1e-6,
+            inter.beta if args.inter_gbps is None else 1 / (args.inter_gbps * 1e9),
+        )
+    if args.intra_us is not None or args.intra_gbps is not None:
+        intra = Link(
+            intra.alpha if args.intra_us is None else args.intra_us * 1e-6,
+            intra.beta if args.intra_gbps is None else 1 / (args.intra_gbps * 1e9),
+        )
+    return Network(
+        args.hosts if hosts is None else hosts, args.ranks_per_host, intra, inter, args.nics,
+        args.hosts_per_switch, args.oversubscription,
+    )
+
+
+def _scaled(args: argparse.Namespace) -> list[Network]:
+    if not args.world_sizes:
+        return [network_from(args)]
+    nets = []
+    for n in _ints(args.world_sizes):
+        if n % args.ranks_per_host:
+            raise SystemExit(f"--world-sizes: {n} is not a multiple of --ranks-per-host {args.ranks_per_host}")
+        nets.append(network_from(args, n // args.ranks_per_host))
+    return nets
+
+
+def study(args: argparse.Namespace) -> None:
+    networks = _scaled(args)
+    for net in networks:
+        print(f"# {net.describe()}")
+    ops = args.ops.split(",")
+    unknown = [op for op in ops if op not in ALGORITHMS]
+    if unknown:
+        raise SystemExit(f"--ops: unknown {unknown}; choose from {list(ALGORITHMS)}")
+    algorithms = args.algorithms.split(",") if args.algorithms else None
+    start = time.perf_counter()
+    results = sweep(networks, ops, _sizes(args.sizes), algorithms, contention=not args.no_contention)
+    print(table(results))
+    print("\n# crossovers (fastest forced algorithm)")
+    for line in crossovers(results) or ["(need two or more algorithms per op)"]:
+        print(line)
+    print(f"# {len(results)} collectives simulated in {time.perf_counter() - start:.1f} s of wall time")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.row() for r in results], f, indent=1)
+    if args.plot:
+        plot(results, args.plot, ops[0])
+        print(f"# plot: {args.plot}")
+    if args.trace:
+        net = dataclasses.replace(networks[0], hosts=max(1, args.trace_ranks // networks[0].ranks_per_host))
+        result, sim = time_collective(
+            net, ops[0], _sizes(args.trace_size)[0], args.trace_algorithm, trace=True, contention=not args.no_contention
+        )
+        with open(args.trace, "w") as f:
+            json.dump(sim.chrome_trace(), f)
+        print(
+            f"# trace: {args.trace} ({ops[0]} {args.trace_algorithm} of {human_size(result.nbytes)} on {net.world_size} "
+            f"ranks, {result.seconds * 1e6:.1f} µs; open in https://ui.perfetto.dev)"
+        )
+
+
+def ddp(args: argparse.Namespace) -> None:
+    print(StepReport.HEADER)
+    slowdown = {args.straggler: args.straggler_factor} if args.straggler is not None else None
+    for net in _scaled(args):
+        report = simulate_step(
+            net, int(args.model_mb * 2**20), int(args.bucket_mb * 2**20), args.backward_ms / 1e3, slowdown=slowdown
+        )
+        print(report.row(), f"  # {net.describe()}")
+
+
+def _ring_rank(rank: int, world_size: int, numel: int) -> float:
+    t = torch.full((numel,), float(rank))
+    all_reduce(t, ReduceOp.SUM, algorithm="ring")
+    expected = world_size * (world_size - 1) / 2
+    if not bool((t == expected).all()):
+        raise AssertionError(f"rank {rank}: ring all-reduce result differs from {expected}")
+    return clock()
+
+
+def bench(args: argparse.Namespace) -> None:
+    """A ring all-reduce of ``--mb`` MiB on ``--world-size`` flat ranks: timing-only, then exact
+    on a small buffer through ``collectives.launch``; wall time and peak memory of each."""
+    n, nbytes = args.world_size, int(args.mb * 2**20)
+    net = Network.flat(n)
+    start = time.perf_counter()
+    result, sim = time_collective(net, "all_reduce", nbytes, "ring")
+    wall = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"timing only: ring all_reduce of {human_size(nbytes)} on {n} ranks: {result.seconds * 1e3:.3f} ms simulated, "
+        f"{sim.messages} messages, {wall:.1f} s wall, peak RSS {rss:.0f} MiB"
+    )
+    if args.exact_numel:
+        start = time.perf_counter()
+        simulation = Simulation(net)
+        launch(_ring_rank, n, args.exact_numel, simulation=simulation)
+        wall = time.perf_counter() - start
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(
+            f"exact: ring all_reduce of {args.exact_numel} float32 per rank on {n} ranks through "
+            f"collectives.launch, results checked: {simulation.messages} messages, {wall:.1f} s wall, peak RSS {rss:.0f} MiB"
+        )
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Simulate every row of a ``collectives.bench --hosts H --model --json`` run with the links it
+    fitted, on ``H`` hosts, and print measured vs simulated time."""
+    with open(args.bench) as f:
+        rows = json.load(f)
+    links = links_from_bench(args.bench)
+    print(f"{'op':<12}{'n':>3}{'hosts':>6}{'size':>8}  {'algorithm':<19}{'measured us':>13}{'simulated us':>14}{'sim/meas':>10}")
+    for row in rows:
+        n = row["world_size"]
+        net = Network(args.hosts, n // args.hosts, links.get("local", DEFAULT_INTRA), links.get("net", DEFAULT_INTER))
+        algorithm = row["algorithm"] if row["algorithm"] in ALGORITHMS.get(row["op"], ()) else "auto"
+        result, _ = time_collective(net, row["op"], row["bytes"], algorithm, exact=True)
+        print(
+            f"{row['op']:<12}{n:>3}{args.hosts:>6}{human_size(row['bytes']):>8}  {algorithm:<19}{row['ours_us']:>13.0f}"
+            f"{result.seconds * 1e6:>14.0f}{result.seconds * 1e6 / row['ours_us']:>10.2f}"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m collectives.sim", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+    s = sub.add_parser("study", help="sweep ops, sizes, algorithms and world sizes (the default)")
+    _network_arguments(s)
+    s.add_argument("--world-sizes", default="16,128", help="comma-separated n (default 16,128)")
+    s.add_argument("--ops", default="all_reduce", help=f"comma-separated, of {','.join(ALGORITHMS)}")
+    s.add_argument("--sizes", default="1K,16K,256K,4M,64M", help="comma-separated bytes (default 1K..64M)")
+    s.add_argument("--algorithms", help="only these (default: every one the op has)")
+    s.add_argument("--json", help="write the rows to this file")
+    s.add_argument("--plot", help="write a PNG: time vs size and time vs n per algorithm")
+    s.add_argument("--trace", help="write a Chrome trace of one collective (every virtual rank a row)")
+    s.add_argument("--trace-ranks", type=int, default=16, help="ranks of the traced collective (default 16)")
+    s.add_argument("--trace-size", default="1M", help="bytes of the traced collective (default 1M)")
+    s.add_argument("--trace-algorithm", default="ring", help="algorithm of the traced collective (default ring)")
+    s.set_defaults(fn=study)
+    d = sub.add_parser("ddp", help="how much of a DDP step's all-reduce hides behind backward")
+    _network_arguments(d)
+    d.add_argument("--world-sizes", default="16,128", help="comma-separated n (default 16,128)")
+    d.add_argument("--model-mb", type=float, default=100.0, help="gradient bytes, MiB (default 100)")
+    d.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap, MiB (default 25)")
+    d.add_argument("--backward-ms", type=float, default=60.0, help="backward compute time, ms (default 60)")
+    d.add_argument("--straggler", type=int, help="this rank computes --straggler-factor times slower")
+    d.add_argument("--straggler-factor", type=float, default=1.5)
+    d.set_defaults(fn=ddp)
+    b = sub.add_parser("bench", help="how fast the simulator runs a large ring all-reduce")
+    b.add_argument("--world-size", type=int, default=1024)
+    b.add_argument("--mb", type=float, default=64.0, help="MiB all-reduced (default 64)")
+    b.add_argument("--exact-numel", type=int, default=0, help="also run exact with this many floats per rank")
+    b.set_defaults(fn=bench)
+    v = sub.add_parser("validate", help="simulated vs measured times of a collectives.bench --hosts --model run")
+    v.add_argument("bench", help="the JSON of `collectives.bench --hosts H --model --json FILE`")
+    v.add_argument("--hosts", type=int, required=True, help="the --hosts of that run")
+    v.set_defaults(fn=validate)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "study")
+    args = p.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The simulated network: hosts of ranks, NICs, a switch tier, and the links they share.
+
+A :class:`Network` is the :class:`~collectives.transport.sim.Fabric` of a simulation. Rank ``r``
+runs on host ``r // ranks_per_host`` (consecutive ranks share a host, as under torchrun). A
+message takes one of two kinds of path:
+
+* **inside a host** (``intra`` link, α/β of loopback or shared memory, or NVLink): from the
+  sender's *out port* to the receiver's *in port*. A rank sends one message at a time at full
+  rate and receives one at a time, each direction on its own.
+* **between hosts** (``inter`` link, α/β of one NIC): out of the sender's NIC (local rank
+  ``j`` uses NIC ``j % nics_per_host``) into the receiver's NIC. Hosts hang off leaf switches
+  of ``hosts_per_switch`` hosts (0: one switch for all, with full bisection); a message between
+  leaves also crosses its leaf's *uplink* and the other leaf's *downlink*, each of bandwidth
+  ``hosts_per_switch * nics_per_host * NIC bandwidth / oversubscription``.
+
+Every link is a first-come-first-served queue (:mod:`collectives.transport.sim`): a message
+is carried by each link of its path at that link's rate when the link is free, and arrives
+``α`` after the last one has carried it. Alone on its path, a message costs exactly the α/β
+formula of ``costmodel`` (``β`` of the path's slowest link); messages that meet on a link take
+turns.
+
+Limits of the model (what it does not see): α is pure latency (a rank can have many messages in
+flight at once, each paying α without holding a link); the links of a path queue independently
+(no head-of-line blocking, no packet interleaving, infinite switch buffers); local reductions
+and copies take no time unless modelled with ``Simulation.sleep``; no congestion control, no
+adaptive routing, no PCIe or memory-bandwidth limits beyond the links above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from ..costmodel import Link
+from ..topology import Layout
+
+#: inside a host: a few µs per message, ~20 GB/s (a shared-memory copy).
+DEFAULT_INTRA = Link(2e-6, 1 / 20e9)
+#: between hosts: one 100 Gb/s NIC with ~5 µs of latency.
+DEFAULT_INTER = Link(5e-6, 1 / 12.5e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """``hosts`` × ``ranks_per_host`` ranks on a network of links (module docstring).
+
+    Attributes:
+        hosts: number of hosts.
+        ranks_per_host: ranks on each host.
+        intra: the link between two ranks of one host.
+        inter: one NIC (the link between two hosts, through the switch).
+        nics_per_host: NICs per host; local rank ``j`` uses NIC ``j % nics_per_host``.
+        hosts_per_switch: hosts per leaf switch; 0: one switch for all hosts (no uplinks).
+        oversubscription: a leaf's host-facing bandwidth over its uplink bandwidth (1: full bisection).
+    """
+
+    hosts: int
+    ranks_per_host: int = 1
+    intra: Link = DEFAULT_INTRA
+    inter: Link = DEFAULT_INTER
+    nics_per_host: int = 1
+    hosts_per_switch: int = 0
+    oversubscription: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("hosts", "ranks_per_host", "nics_per_host"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Network: {name} must be a positive int, got {value!r}")
+        if not isinstance(self.hosts_per_switch, int) or self.hosts_per_switch < 0:
+            raise ValueError(f"Network: hosts_per_switch must be an int >= 0, got {self.hosts_per_switch!r}")
+        if not self.oversubscription >= 1.0 or math.isinf(self.oversubscription):
+            raise ValueError(f"Network: oversubscription must be a finite number >= 1, got {self.oversubscription!r}")
+        for name in ("intra", "inter"):
+            link = getattr(self, name)
+            if not (link.alpha >= 0 and link.beta >= 0):
+                raise ValueError(f"Network: {name} link needs alpha, beta >= 0, got {link}")
+        # derived constants, read on every message
+        k = self.hosts_per_switch
+        up_beta = self.inter.beta * self.oversubscription / (k * self.nics_per_host) if k else 0.0
+        object.__setattr__(self, "_up_beta", up_beta)
+        object.__setattr__(self, "_nic_base", 2 * self.world_size)
+        object.__setattr__(self, "_leaf_base", 2 * self.world_size + 2 * self.hosts * self.nics_per_host)
+
+    @classmethod
+    def flat(cls, world_size: int, link: Link = DEFAULT_INTER) -> "Network":
+        """``world_size`` hosts of one rank on one switch: every message crosses ``link``."""
+        return cls(world_size, 1, link, link)
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    @property
+    def leaves(self) -> int:
+        """Number of leaf switches."""
+        return -(-self.hosts // self.hosts_per_switch) if self.hosts_per_switch else 1
+
+    @property
+    def link_count(self) -> int:
+        return 2 * self.world_size + 2 * self.hosts * self.nics_per_host + 2 * self.leaves
+
+    @property
+    def uplink_beta(self) -> float:
+        """Seconds per byte of one leaf uplink (0 without a switch tier)."""
+        return self._up_beta  # type: ignore[attr-defined]
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+    def host_keys(self) -> list[str]:
+        """One host key per rank (what a group's ``hosts`` holds)."""
+        return [f"sim-host{self.host_of(r)}" for r in range(self.world_size)]
+
+    def layout(self) -> Layout:
+        p = self.ranks_per_host
+        return Layout(tuple(tuple(range(h * p, (h + 1) * p)) for h in range(self.hosts)))
+
+    def route(self, src: int, dst: int) -> tuple[float, float, tuple[tuple[int, float], ...]]:
+        """``(α, β, ((link, β_link), ...))`` of a message from ``src`` to ``dst`` (module docstring)."""
+        p = self.ranks_per_host
+        hs, hd = src // p, dst // p
+        if hs == hd:
+            b = self.intra.beta
+            return self.intra.alpha, b, ((src, b), (self.world_size + dst, b))
+        nics, b = self.nics_per_host, self.inter.beta
+        base = self._nic_base  # type: ignore[attr-defined]
+        out = (base + 2 * (hs * nics + (src % p) % nics), b)
+        inn = (base + 2 * (hd * nics + (dst % p) % nics) + 1, b)
+        k = self.hosts_per_switch
+        if k and hs // k != hd // k:
+            ub = self._up_beta  # type: ignore[attr-defined]
+            leaf = self._leaf_base  # type: ignore[attr-defined]
+            up, down = (leaf + 2 * (hs // k), ub), (leaf + 2 * (hd // k) + 1, ub)
+            return self.inter.alpha, max(b, ub), (out, up, down, inn)
+        return self.inter.alpha, b, (out, inn)
+
+    def describe(self) -> str:
+        """One line: the topology and its links."""
+        switch = (
+            f", {self.leaves} leaf switches of {self.hosts_per_switch} hosts, oversubscription {self.oversubscription:g}:1"
+            if self.hosts_per_switch else ", one switch"
+        )
+        return (
+            f"{self.hosts} hosts x {self.ranks_per_host} ranks ({self.world_size}), {self.nics_per_host} NIC(s)/host"
+            f"{switch}; intra {self.intra}; inter {self.inter}"
+        )
+
+
+def links_from_bench(path: str) -> dict[str, Link]:
+    """The fitted links in a ``collectives.bench --model --json`` file: ``{"net": ..., "local": ...}``
+    (whichever it holds). Use them as :attr:`Network.inter` / :attr:`Network.intra`: "this
+    machine's links, at 1,024 ranks"."""
+    with open(path) as f:
+        rows: Any = json.load(f)
+    found: dict[str, Link] = {}
+    for row in rows if isinstance(rows, list) else [rows]:
+        for kind in ("net", "local"):
+            if f"{kind}_alpha" in row and kind not in found:
+                found[kind] = Link(float(row[f"{kind}_alpha"]), float(row[f"{kind}_beta"]))
+    if not found:
+        raise ValueError(f"{path}: no fitted links (net_alpha/net_beta); run collectives.bench with --model --json")
+    return found

@@ -1,0 +1,477 @@
+"""The simulated transport: many virtual ranks in one process, on a virtual clock.
+
+Our algorithms are written against :class:`~collectives.transport.base.Transport` only, so they
+run unchanged when the wire is a simulation. Here every virtual rank is a *greenlet* (a
+coroutine with its own stack) inside one process, and a :class:`Simulation` schedules them on a
+virtual clock:
+
+Scheduler
+    A discrete-event loop (the *hub*) keeps a heap of ``(time, seq, rank)`` wake-ups. It resumes
+    the rank with the earliest wake-up, which runs real Python (the algorithm, torch ops on real
+    tensors) in zero virtual time until it waits: on a message not yet sent, on a message still
+    on the wire, or in :meth:`Simulation.sleep` (modelled compute). Then the hub resumes the next
+    rank. Ranks therefore act in order of virtual time, ties broken by the order they were
+    queued: the run is deterministic, and every message is posted in time order, which is what
+    lets the network charge shared links first come, first served.
+
+Messages
+    ``isend`` at virtual time ``t`` asks the fabric when the bytes arrive (``route`` and the
+    links' queues, below) and queues the message on the pair's channel; ``irecv`` takes the
+    pair's next message (messages of a pair match in posting order, as the contract says).
+    A receive completes at ``max(arrival, its own posting time)``, a send at the arrival (eager:
+    it does not wait for the receive to be posted). The payload is copied when both sides are
+    known; a send whose receiver has not posted yet keeps a reference to the sender's tensor and
+    copies it aside when the sender's wait returns (the contract keeps it untouched until then).
+
+Links and contention
+    The fabric (:class:`Fabric`; :class:`collectives.sim.network.Network` is the model shipped)
+    says for a pair of ranks the latency ``α``, the seconds per byte ``β`` of the path's
+    slowest link, and which links the path crosses, each with its own ``β``. Every link is a
+    first-come-first-served queue: a message of ``S`` bytes posted at ``t`` is carried by link
+    ``l`` from ``max(t, free(l))`` for ``S·β_l`` (then ``free(l)`` moves to the end of that), and
+    arrives ``α`` after the last of its links has carried it, and no sooner than
+    ``t + α + S·β``. Alone on its path a message takes exactly the α/β formula; a link shared by
+    messages at once carries them one after another, so it never moves more bytes per second
+    than its bandwidth, and a collective's time is at least its busiest link's bytes over that
+    link's bandwidth. The links of a path are not coupled (a message may be carried by one link
+    while another still serves earlier messages, as cut-through switching with deep buffers
+    would): the model sees bandwidth sharing, not head-of-line blocking or packet interleaving.
+    ``contention=False`` skips the queues (every message as if alone).
+
+Deadlock and failure
+    When no rank can run (the heap is empty) but some wait, no message they wait for can ever
+    come: each waiting rank gets a :class:`~collectives.errors.CollectiveError` naming its
+    collective and the peer it waits for. A bug that hangs a real job (a tree that never sends to
+    rank ``2^k``) thus raises at once instead of timing out. A rank that raises ends; the ranks
+    waiting on it get that error in turn.
+
+Timing only
+    ``byte_scale`` multiplies every message's bytes as the fabric sees them, and ``copy=False``
+    skips the payload copies: a study runs the algorithms on tiny tensors that stand for large
+    ones (the caller scales the tuning's byte thresholds by the same factor, so the engine makes
+    the same choices and cuts the same number of segments).
+
+Requires ``greenlet`` (a dependency of ringddp): a switch between virtual ranks costs about a
+microsecond, where an OS thread hand-off costs 15 µs on a busy machine.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import heapq
+import itertools
+import logging
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence, TypeVar
+
+import torch
+
+from ..errors import CollectiveError
+from .base import GroupInfo, Message, Peer, Request, Transport
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: (simulation, global rank) of the virtual rank running in this context (each greenlet has its own).
+_current: contextvars.ContextVar[tuple["Simulation", int] | None] = contextvars.ContextVar("ringddp_sim", default=None)
+
+
+class Fabric(Protocol):
+    """The network a :class:`Simulation` runs on (see :class:`collectives.sim.network.Network`)."""
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+
+    @property
+    def link_count(self) -> int:
+        """Links are numbered ``0 .. link_count - 1``."""
+
+    def route(self, src: int, dst: int) -> tuple[float, float, tuple[tuple[int, float], ...]]:
+        """``(α, β, ((link, β_link), ...))`` of a message from ``src`` to ``dst``; ``β`` is the
+        path's (its slowest link's) seconds per byte."""
+
+
+class _Task:
+    """One virtual rank: its greenlet, result and error."""
+
+    __slots__ = ("rank", "glet", "result", "error", "finished", "waiting_on")
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.glet: Any = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.waiting_on: SimRequest | None = None
+
+
+class SimRequest(Request):
+    """A posted send or receive; ``done_at`` is its completion time once known (None: a receive
+    whose message is not sent yet)."""
+
+    __slots__ = ("sim", "recv", "rank", "peer", "tensor", "nbytes", "posted", "done_at", "waiter", "op", "held")
+
+    def __init__(self, sim: "Simulation", recv: bool, rank: int, peer: int, tensor: torch.Tensor, op: str):
+        self.sim, self.recv, self.rank, self.peer, self.tensor, self.op = sim, recv, rank, peer, tensor, op
+        self.nbytes = tensor.nbytes
+        self.posted = sim.now
+        self.done_at: float | None = None
+        self.waiter: _Task | None = None
+        self.held = False  # a send whose receiver has not posted: its payload is still the caller's tensor
+
+    def wait(self) -> None:
+        sim = self.sim
+        done = self.done_at
+        if done is None or done > sim.now:
+            sim._wait(self)
+        if self.held:  # the receiver has not posted: keep the bytes, the caller may reuse its buffer
+            self.held = False
+            if sim.copy:
+                self.tensor = self.tensor.clone()
+        elif type(self.tensor) is CollectiveError:
+            raise self.tensor
+
+    def is_completed(self) -> bool:
+        return self.done_at is not None and self.done_at <= self.sim.now
+
+
+class Simulation:
+    """Virtual ranks on a virtual clock over a :class:`Fabric` (module docstring).
+
+    Args:
+        fabric: the network (routes and link bandwidths).
+        contention: queue messages that share a link (else every message goes as if alone).
+        byte_scale: the fabric charges ``nbytes * byte_scale`` per message (timing-only studies).
+        copy: move payloads (``False``: timing only, the receivers' buffers are left as they are).
+        delays: ``{rank: seconds}``: a straggler enters every collective that much late.
+        slowdown: ``{rank: factor}``: that rank's :meth:`sleep` (modelled compute) lasts longer.
+        trace: record every message and collective as Chrome trace events (:meth:`chrome_trace`).
+    """
+
+    def __init__(
+        self,
+        fabric: Fabric,
+        *,
+        contention: bool = True,
+        byte_scale: float = 1.0,
+        copy: bool = True,
+        delays: dict[int, float] | None = None,
+        slowdown: dict[int, float] | None = None,
+        trace: bool = False,
+    ):
+        self.fabric = fabric
+        self.world_size = fabric.world_size
+        self.contention = contention
+        self.byte_scale = float(byte_scale)
+        self.copy = copy
+        self.delays = dict(delays or {})
+        self.slowdown = dict(slowdown or {})
+        self.now = 0.0
+        self.messages = 0
+        self.events: list[dict[str, Any]] | None = [] if trace else None
+        self._free = [0.0] * fabric.link_count
+        self._heap: list[tuple[float, int, _Task]] = []
+        self._seq = itertools.count()
+        self._sends: dict[int, collections.deque[SimRequest]] = {}  # per pair src*n+dst: unmatched sends, oldest first
+        self._recvs: dict[int, collections.deque[SimRequest]] = {}
+        self._running: _Task | None = None
+        self._hub: Any = None
+
+    # ------------------------------------------------------------------ running ranks
+
+    def run(self, body: Callable[[int], T], ranks: Sequence[int] | None = None) -> list[T]:
+        """Run ``body(rank)`` on every virtual rank (default all) until all return; their results by rank.
+
+        The clock goes on from where the last run left it. If ranks raise, the first error (in
+        virtual time) is raised here with a note naming every failed rank.
+        """
+        import greenlet  # a dependency; imported here so that the package imports without it
+
+        ranks = list(range(self.world_size) if ranks is None else ranks)
+        self._hub = greenlet.getcurrent()
+        tasks = [_Task(r) for r in ranks]
+        failed: list[_Task] = []
+
+        def start(task: _Task) -> None:
+            _current.set((self, task.rank))
+            try:
+                task.result = body(task.rank)
+            except BaseException as exc:  # noqa: BLE001 - every failure is reported by run()
+                task.error = exc
+                failed.append(task)
+            finally:
+                task.finished = True
+
+        for task in tasks:
+            task.glet = greenlet.greenlet(start, parent=self._hub)
+            self._wake(task, self.now)
+        while True:
+            while self._heap:
+                when, _, task = heapq.heappop(self._heap)
+                self.now = when
+                self._running = task
+                task.glet.switch(task)  # starts the rank, or resumes it where it blocked
+            self._running = None
+            stuck = [t for t in tasks if not t.finished]
+            if not stuck:
+                break
+            self._break_deadlock(stuck, failed)
+        self._sends.clear()
+        self._recvs.clear()
+        if failed:
+            first = failed[0].error
+            assert first is not None
+            summary = "; ".join(f"rank {t.rank}: {type(t.error).__name__}: {t.error}" for t in failed[:8])
+            more = f" (and {len(failed) - 8} more)" if len(failed) > 8 else ""
+            if hasattr(first, "add_note"):
+                first.add_note(f"[sim] {len(failed)} of {len(tasks)} virtual ranks failed: {summary}{more}")
+            raise first
+        return [t.result for t in tasks]
+
+    def _break_deadlock(self, stuck: list[_Task], failed: list[_Task]) -> None:
+        """No rank can run but ``stuck`` wait: throw each an error naming what it waits for."""
+        done = [t.rank for t in failed]
+        for task in stuck:
+            req = task.waiting_on
+            op = req.op if req is not None else "collective"
+            what = f"a message from peer {req.peer}" if req is not None and req.recv else "its peer"
+            cause = f" (ranks {done[:8]} failed first)" if done else " (a deadlock: no rank can make progress)"
+            err = CollectiveError(
+                f"{op}: virtual rank {task.rank} waits at t={self.now:.6g}s for {what}, which no rank "
+                f"will send{cause}",
+                op=op,
+                peer=req.peer if req is not None else None,
+            )
+            self._running = task
+            task.glet.throw(err)
+        self._running = None
+
+    def _wake(self, task: _Task, when: float) -> None:
+        heapq.heappush(self._heap, (when, next(self._seq), task))
+
+    def current_rank(self) -> int:
+        """The virtual rank running now."""
+        if self._running is None:
+            raise RuntimeError("no virtual rank is running")
+        return self._running.rank
+
+    def sleep(self, seconds: float) -> None:
+        """Advance the calling rank's clock by ``seconds`` of modelled compute (times its slowdown)."""
+        task = self._running
+        if task is None:
+            raise RuntimeError("Simulation.sleep: call it from a virtual rank")
+        seconds *= self.slowdown.get(task.rank, 1.0)
+        if seconds > 0:
+            self._until(task, self.now + seconds)
+
+    def sleep_until(self, when: float) -> None:
+        """Advance the calling rank's clock to ``when`` (no-op if it is already past)."""
+        task = self._running
+        if task is None:
+            raise RuntimeError("Simulation.sleep_until: call it from a virtual rank")
+        if when > self.now:
+            self._until(task, when)
+
+    # ------------------------------------------------------------------ messages
+
+    def isend(self, tensor: torch.Tensor, src: int, dst: int, op: str, byte_scale: float | None = None) -> SimRequest:
+        """Post a send from ``src`` to ``dst`` now; it completes when its bytes arrive. The fabric
+        charges its bytes times ``byte_scale`` (default: the simulation's)."""
+        req = SimRequest(self, False, src, dst, tensor, op)
+        self.messages += 1
+        # the fabric's queues (module docstring): each link carries it when it is free
+        alpha, beta, links = self.fabric.route(src, dst)
+        size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
+        now = self.now
+        end = now + size * beta
+        if self.contention and size:
+            free = self._free
+            for link, link_beta in links:
+                done = (free[link] if free[link] > now else now) + size * link_beta
+                free[link] = done
+                if done > end:
+                    end = done
+        req.done_at = arrival = end + alpha
+        start = end - size * beta
+        key = src * self.world_size + dst
+        waiting = self._recvs.get(key)
+        if waiting:
+            recv = waiting.popleft()
+            if not waiting:
+                del self._recvs[key]
+            self._deliver(req, recv, arrival)
+        else:
+            req.held = True
+            queue = self._sends.get(key)
+            if queue is None:
+                queue = self._sends[key] = collections.deque()
+            queue.append(req)
+        if self.events is not None:
+            self._event(src, f"send to {dst}", start, arrival, {"bytes": req.nbytes, "op": op})
+        return req
+
+    def irecv(self, tensor: torch.Tensor, dst: int, src: int, op: str) -> SimRequest:
+        """Post a receive on ``dst`` of the next message from ``src``."""
+        req = SimRequest(self, True, dst, src, tensor, op)
+        key = src * self.world_size + dst
+        queued = self._sends.get(key)
+        if queued:
+            send = queued.popleft()
+            if not queued:
+                del self._sends[key]
+            self._deliver(send, req, send.done_at)
+        else:
+            queue = self._recvs.get(key)
+            if queue is None:
+                queue = self._recvs[key] = collections.deque()
+            queue.append(req)
+        return req
+
+    def _deliver(self, send: SimRequest, recv: SimRequest, arrival: float) -> None:
+        """Match ``send`` with ``recv``: copy the payload, complete the receive."""
+        if send.nbytes != recv.nbytes:
+            err = CollectiveError(
+                f"{recv.op}: virtual rank {recv.rank} posted a receive of {recv.nbytes} bytes from rank "
+                f"{send.rank}, which sent {send.nbytes} bytes (the ranks run different calls or sizes)",
+                op=recv.op,
+                peer=send.rank,
+            )
+            recv.done_at = self.now
+            recv.tensor = err  # type: ignore[assignment] - raised by the receiver's wait
+        else:
+            if self.copy and send.nbytes:
+                recv.tensor.copy_(send.tensor)
+            recv.done_at = max(arrival, recv.posted)
+            if self.events is not None:
+                self._event(recv.rank, f"recv from {send.rank}", recv.posted, recv.done_at, {"bytes": send.nbytes})
+        send.held = False
+        if recv.waiter is not None:
+            self._wake(recv.waiter, recv.done_at)
+
+    def _wait(self, req: SimRequest) -> None:
+        """Block the running rank until ``req`` completes (its time may not be known yet)."""
+        task = self._running
+        if task is None:
+            raise RuntimeError(f"{req.op}: a simulated request can only be waited for by a virtual rank")
+        if req.done_at is None:  # a receive whose message is not sent yet: its sender wakes us
+            req.waiter = task
+            task.waiting_on = req
+            try:
+                self._hub.switch()
+            finally:
+                task.waiting_on = None
+        else:
+            self._until(task, req.done_at)
+
+    def _until(self, task: _Task, when: float) -> None:
+        """Resume ``task`` at ``when``: at once if no other rank has anything to do before (or at) then."""
+        heap = self._heap
+        if not heap or heap[0][0] > when:
+            self.now = when
+            return
+        heapq.heappush(heap, (when, next(self._seq), task))
+        self._hub.switch()
+
+    # ------------------------------------------------------------------ trace
+
+    def _event(self, rank: int, name: str, start: float, end: float, args: dict[str, Any]) -> None:
+        assert self.events is not None
+        self.events.append(
+            {"name": name, "ph": "X", "pid": 0, "tid": rank, "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6,
+             "cat": "message", "args": args}
+        )
+
+    @contextlib.contextmanager
+    def span(self, rank: int, name: str) -> Iterator[None]:
+        """Record ``name`` on ``rank``'s row for the duration of the block (virtual time)."""
+        start = self.now
+        try:
+            yield
+        finally:
+            if self.events is not None:
+                self.events.append(
+                    {"name": name, "ph": "X", "pid": 0, "tid": rank, "ts": start * 1e6,
+                     "dur": (self.now - start) * 1e6, "cat": "collective"}
+                )
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The recorded events as a Chrome trace (every virtual rank a row), times in virtual µs."""
+        if self.events is None:
+            raise RuntimeError("chrome_trace: the simulation was made without trace=True")
+        names = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+            for r in sorted({e["tid"] for e in self.events})
+        ]
+        return {"traceEvents": names + self.events, "displayTimeUnit": "ns"}
+
+
+class SimTransport(Transport):
+    """The :class:`Transport` of one virtual rank of a group of a :class:`Simulation`.
+
+    ``ranks[i]`` is the simulation rank of group rank ``i`` (default: the same numbering);
+    ``byte_scale`` overrides the simulation's for this transport's sends (timing-only runs whose
+    buffers stand for different sizes at once, as DDP's buckets do).
+    """
+
+    def __init__(
+        self, sim: Simulation, rank: int, ranks: Sequence[int] | None = None, timeout: float = 1800.0,
+        byte_scale: float | None = None,
+    ):
+        members = list(range(sim.world_size) if ranks is None else ranks)
+        super().__init__(rank, len(members), timeout)
+        self.sim = sim
+        self.members = members
+        self.me = members[rank]
+        self.byte_scale = byte_scale
+
+    @classmethod
+    def for_group(cls, group: GroupInfo) -> "SimTransport":
+        """The transport of the calling virtual rank in ``group`` (built inside a simulation only)."""
+        sim, me = current()
+        ranks = getattr(group, "ranks", None)
+        return cls(sim, group.rank(), ranks, group.timeout)
+
+    def operation(self, name: str) -> ContextManager[None]:
+        delay = self.sim.delays.get(self.me, 0.0)
+        if delay:  # a straggler: late into every collective
+            self.sim.sleep_until(self.sim.now + delay)
+        if self.sim.events is None:
+            return super().operation(name)
+        labels = contextlib.ExitStack()
+        labels.enter_context(super().operation(name))
+        labels.enter_context(self.sim.span(self.me, name))
+        return labels
+
+    def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
+        return self.sim.isend(tensor, self.me, self.members[peer], self.op, self.byte_scale)
+
+    def irecv(self, tensor: torch.Tensor, peer: Peer) -> Request:
+        return self.sim.irecv(tensor, self.me, self.members[peer], self.op)
+
+    def post(self, sends: Sequence[Message] = (), recvs: Sequence[Message] = ()) -> list[Request]:
+        sim, me, members, op, scale = self.sim, self.me, self.members, self.op, self.byte_scale
+        requests: list[Request] = []
+        for t, p in recvs:
+            requests.append(sim.irecv(t, me, members[p], op))
+        for t, p in sends:
+            requests.append(sim.isend(t, me, members[p], op, scale))
+        return requests
+
+
+def current() -> tuple[Simulation, int]:
+    """(simulation, rank) of the calling virtual rank; ``ValueError`` outside a simulation."""
+    found = _current.get()
+    if found is None:
+        raise ValueError(
+            "the sim backend runs only on virtual ranks: start them with collectives.launch(fn, n, backend='sim') "
+            "or collectives.sim.Simulation.run"
+        )
+    return found
+
+
+def in_simulation() -> bool:
+    """Whether the caller is a virtual rank of a :class:`Simulation`."""
+    return _current.get() is not None

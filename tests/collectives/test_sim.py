@@ -1,0 +1,277 @@
+"""The simulated backend: our real algorithms on many virtual ranks, exact results, virtual time.
+
+Exactness: every rank checks its own results against closed-form references (integer-valued
+float64 data, so every order of additions gives the same bits). Timing: the virtual clock
+against the α/β formulas of the algorithms' docstrings.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import collectives as dist
+from collectives import sim
+from collectives.costmodel import Link
+from collectives.sim import Network, Simulation, ddp, study
+from collectives.sim.__main__ import main
+from collectives.transport.sim import SimTransport
+
+F64 = torch.float64
+
+
+def _input(rank: int, m: int) -> torch.Tensor:
+    return torch.arange(m, dtype=F64) * 3 + rank
+
+
+def _battery(rank: int, n: int, sizes: list[int], quadratic: bool, hier: bool) -> list[str]:
+    """Run every collective and algorithm on this virtual rank; the failures, described.
+
+    ``quadratic``: also the algorithms that send ~n² messages in all (ring, chain, direct
+    all-gather, all-to-all), which at 1,024 ranks take minutes of wall time each; without it the
+    latency-optimal and hierarchical ones, scatter, gather and barrier.
+    """
+    bad: list[str] = []
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.equal(got, want):
+            bad.append(f"rank {rank}: {what}")
+
+    total = n * (n - 1) / 2
+    for m in sizes:
+        base = torch.arange(m, dtype=F64) * 3
+        algs = ["recursive_doubling"] + (["ring", "auto"] if quadratic else []) + (["hierarchical"] if hier else [])
+        for alg in algs:
+            t = _input(rank, m)
+            dist.all_reduce(t, algorithm=alg)
+            check(f"all_reduce {alg} m={m}", t, base * n + total)
+        for op, want in ((dist.ReduceOp.MAX, base + (n - 1)), (dist.ReduceOp.AVG, (base * n + total) / n)):
+            if m != sizes[-1]:
+                continue
+            t = _input(rank, m)
+            dist.all_reduce(t, op=op, algorithm="recursive_doubling")
+            check(f"all_reduce {op} m={m}", t, want)
+        src = n - 1
+        for alg in ["binomial"] + (["chain"] if quadratic else []) + (["hierarchical"] if hier else []):
+            t = _input(rank, m)
+            dist.broadcast(t, src, algorithm=alg)
+            check(f"broadcast {alg} m={m}", t, _input(src, m))
+        dst = n // 2
+        for alg in ["binomial"] + (["ring"] if quadratic else []):
+            t = _input(rank, m)
+            dist.reduce(t, dst, algorithm=alg)
+            check(f"reduce {alg} m={m}", t, base * n + total if rank == dst else _input(rank, m))
+    for m in (1, 3) if quadratic else (1,):  # per rank
+        mine = torch.empty(m, dtype=F64)
+        pieces = [_input(q, m) for q in range(n)] if rank == 0 else None
+        dist.scatter(mine, pieces, src=0)
+        check(f"scatter m={m}", mine, _input(rank, m))
+        outs = [torch.empty(m, dtype=F64) for _ in range(n)] if rank == n - 1 else None
+        dist.gather(_input(rank, m), outs, dst=n - 1)
+        if outs is not None:
+            check(f"gather m={m}", torch.cat(outs), torch.cat([_input(q, m) for q in range(n)]))
+        if quadratic:
+            out = torch.empty(n * m, dtype=F64)
+            dist.all_gather_into_tensor(out, _input(rank, m))
+            check(f"all_gather m={m}", out, torch.cat([_input(q, m) for q in range(n)]))
+            dist.reduce_scatter_tensor(mine, torch.arange(n * m, dtype=F64) + rank)
+            check(f"reduce_scatter m={m}", mine, (torch.arange(m, dtype=F64) + rank * m) * n + total)
+    if quadratic:
+        out = torch.empty(n, dtype=F64)
+        dist.all_to_all_single(out, torch.arange(n, dtype=F64) + 100 * rank)
+        check("all_to_all", out, torch.arange(n, dtype=F64) * 100 + rank)
+    dist.barrier()
+    return bad
+
+
+@pytest.mark.parametrize(
+    "hosts, per_host, quadratic",
+    [
+        (1, 1, True), (2, 1, True), (3, 1, True), (1, 5, True), (17, 1, True), (4, 8, True),  # 17: prime
+        (33, 1, True), (5, 13, True),  # 2^5 + 1, 2^6 + 1
+        (1, 1021, False), (1, 1025, False),  # 1,021 (prime), 2^10 + 1
+    ],
+)
+def test_every_collective_exact_at_scale(hosts: int, per_host: int, quadratic: bool) -> None:
+    n = hosts * per_host
+    # empty, one element, fewer than n, not divisible by n
+    # at 1,000+ ranks only algorithms that send whole buffers run: sizes below n add nothing there
+    sizes = [0, 1, max(1, n - 1), 3 * n + 1] if quadratic else [0, n + 3]
+    net = Network(hosts, per_host)
+    failures = sim.launch(_battery, n, sizes, quadratic, hosts > 1, network=net)
+    flat = [f for rank_failures in failures for f in rank_failures]
+    assert not flat, flat[:10]
+
+
+# ---------------------------------------------------------------------------- virtual time
+
+INTRA, INTER = Link(2e-6, 1 / 20e9), Link(5e-6, 1 / 10e9)
+
+
+def _timed(rank: int, n: int, numel: int, algorithm: str) -> float:
+    t = torch.ones(numel)
+    start = sim.clock()
+    dist.all_reduce(t, algorithm=algorithm)
+    assert torch.equal(t, torch.full((numel,), float(n)))
+    return sim.clock() - start
+
+
+def test_one_message_takes_alpha_plus_bytes_times_beta() -> None:
+    net = Network(2, 2, INTRA, INTER, hosts_per_switch=1, oversubscription=2.0)
+    s = Simulation(net)
+    nbytes = 1 << 20
+
+    def body(rank: int) -> float:
+        t = torch.zeros(nbytes // 4)
+        if rank == 0:
+            SimTransport(s, 0).send(t, 1)  # same host
+            SimTransport(s, 0).send(t, 2)  # another host, through both leaves' uplinks
+        elif rank in (1, 2):
+            SimTransport(s, rank).recv(t, 0)
+        return s.now
+
+    times = s.run(body)
+    assert times[1] == pytest.approx(INTRA.alpha + nbytes * INTRA.beta, rel=1e-12)
+    uplink = INTER.beta * 2.0  # one host and one NIC per leaf, oversubscribed 2:1: half a NIC
+    assert times[2] == pytest.approx(times[1] + INTER.alpha + nbytes * uplink, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 7, 16])
+def test_ring_takes_the_closed_form_time(n: int) -> None:
+    """2(n-1)(α + S/n β), through collectives.launch and sim.clock (S divisible by n, one segment)."""
+    numel = n * 1000
+    times = dist.launch(_timed, n, numel, "ring", backend="sim")
+    want = 2 * (n - 1) * (Network.flat(n).inter.alpha + numel * 4 / n * Network.flat(n).inter.beta)
+    assert times == pytest.approx([want] * n, rel=1e-9)
+
+
+@pytest.mark.parametrize("n, steps", [(8, 3), (6, 4)])
+def test_recursive_doubling_takes_the_closed_form_time(n: int, steps: int) -> None:
+    """log2(n) exchanges of the whole buffer; two more when n is not a power of two. With 6
+    ranks, ranks 2 and 3 (no extra partner) run ahead and their round-2 message reaches rank 0
+    while rank 1's round-1 message still holds its link: contention, so only >= the formula."""
+    nbytes = 20000
+    formula = steps * (INTER.alpha + nbytes * INTER.beta)
+    net = Network(n, 1, INTRA, INTER)
+    alone = study.time_collective(net, "all_reduce", nbytes, "recursive_doubling", exact=True, contention=False)[0]
+    assert alone.seconds == pytest.approx(formula, rel=1e-9)
+    shared = study.time_collective(net, "all_reduce", nbytes, "recursive_doubling", exact=True)[0]
+    assert shared.seconds >= formula * (1 - 1e-12)
+    if n == 8:
+        assert shared.seconds == pytest.approx(formula, rel=1e-9)
+
+
+def test_contention_on_a_shared_nic_costs_more_than_the_formula() -> None:
+    """4 hosts x 4 ranks, one NIC each: recursive doubling's rounds 1, 2 stay in the host; in
+    rounds 4, 8 the 4 ranks of a host cross the NIC at once and queue on it: each such round
+    takes between one and four messages' bytes on the NIC."""
+    nbytes = 1 << 20
+    net = Network(4, 4, INTRA, INTER)
+    alone = study.time_collective(net, "all_reduce", nbytes, "recursive_doubling", exact=True, contention=False)[0]
+    shared = study.time_collective(net, "all_reduce", nbytes, "recursive_doubling", exact=True)[0]
+    local = 2 * (INTRA.alpha + nbytes * INTRA.beta)
+    formula = local + 2 * (INTER.alpha + nbytes * INTER.beta)
+    assert alone.seconds == pytest.approx(formula, rel=1e-9)
+    assert formula + nbytes * INTER.beta < shared.seconds <= local + 2 * (INTER.alpha + 4 * nbytes * INTER.beta)
+
+
+def test_all_to_all_on_an_oversubscribed_switch_is_slower_by_the_ratio() -> None:
+    """8 hosts on 2 leaves: with full bisection a host's NIC is the bottleneck (7/8 of the
+    buffer); at 4:1 the leaf uplink is (4 hosts x 4 peers across x S/8 at 4/4 of a NIC's rate)."""
+    nbytes, link = 8 << 20, Link(0.0, INTER.beta)
+    full = Network(8, 1, link, link, hosts_per_switch=4, oversubscription=1.0)
+    over = Network(8, 1, link, link, hosts_per_switch=4, oversubscription=4.0)
+    t_full = study.time_collective(full, "all_to_all", nbytes)[0].seconds
+    t_over = study.time_collective(over, "all_to_all", nbytes)[0].seconds
+    nic_bound = 7 / 8 * nbytes * link.beta
+    uplink_bound = 4 * 4 * nbytes / 8 * over.uplink_beta
+    assert t_full == pytest.approx(nic_bound, rel=1e-9)
+    assert t_over == pytest.approx(uplink_bound, rel=0.02)
+    assert t_over / t_full == pytest.approx(uplink_bound / nic_bound, rel=0.02)
+
+
+@pytest.mark.parametrize("op, algorithm", [("all_reduce", "ring"), ("all_reduce", "hierarchical"), ("broadcast", "chain"), ("reduce_scatter", "auto")])
+def test_timing_only_mode_times_like_the_real_buffer(op: str, algorithm: str) -> None:
+    """Tiny stand-in buffers with scaled bytes and thresholds: the same time as the real buffer."""
+    net = Network(2, 4, INTRA, INTER)
+    nbytes = 24 << 20  # 6 segments of 4 MiB: pipelining included
+    exact = study.time_collective(net, op, nbytes, algorithm, exact=True)[0]
+    tiny = study.time_collective(net, op, nbytes, algorithm)[0]
+    assert tiny.messages == exact.messages
+    assert tiny.seconds == pytest.approx(exact.seconds, rel=1e-3)
+
+
+# ---------------------------------------------------------------------------- failures, DDP, CLI
+
+
+def test_a_wait_that_cannot_end_raises_at_once_naming_the_peer() -> None:
+    def body(rank: int, n: int) -> None:
+        if rank == 1:
+            raise ValueError("rank 1 gives up")
+        dist.all_reduce(torch.ones(4), algorithm="ring")
+
+    with pytest.raises(ValueError, match="rank 1 gives up") as info:
+        dist.launch(body, 3, backend="sim")
+    assert "3 virtual ranks failed" in "".join(getattr(info.value, "__notes__", []))
+
+    s = Simulation(Network.flat(2))
+
+    def stuck(rank: int) -> None:
+        SimTransport(s, rank).recv(torch.zeros(1), 1 - rank)
+
+    with pytest.raises(dist.CollectiveError, match="waits .* for a message from peer 1, which no rank will send"):
+        s.run(stuck)
+
+
+def test_ddp_step_hides_communication_behind_a_long_backward() -> None:
+    net = Network(4, 2, INTRA, INTER)
+    quick = ddp.simulate_step(net, 8 << 20, 2 << 20, backward_seconds=0.0)
+    slow = ddp.simulate_step(net, 8 << 20, 2 << 20, backward_seconds=0.05)
+    assert quick.buckets == 4 and quick.exposed == pytest.approx(quick.step) and quick.hidden < 0.01
+    assert slow.communication == pytest.approx(quick.communication, rel=1e-6)
+    assert slow.step < slow.backward + quick.communication / 2 and slow.hidden > 0.7
+    straggler = ddp.simulate_step(net, 8 << 20, 2 << 20, backward_seconds=0.05, slowdown={3: 1.5})
+    assert straggler.step >= 0.075
+
+
+def test_study_command_prints_table_crossovers_plot_and_trace(tmp_path, capsys) -> None:
+    png, trace = tmp_path / "sim.png", tmp_path / "ring.json"
+    main(["--world-sizes", "4,8", "--ranks-per-host", "2", "--sizes", "1K,1M", "--plot", str(png),
+          "--trace", str(trace), "--trace-ranks", "4"])
+    out = capsys.readouterr().out
+    assert "busbw" in out and "all_reduce n=8:" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
+
+
+def test_a_straggler_delays_the_ring_by_its_lateness() -> None:
+    nbytes, late = 4 * 4000, 1e-3
+    net = Network(4, 1, INTRA, INTER)
+    on_time = study.time_collective(net, "all_reduce", nbytes, "ring", exact=True)[0].seconds
+    delayed = study.time_collective(net, "all_reduce", nbytes, "ring", exact=True, delays={2: late})[0].seconds
+    assert delayed == pytest.approx(on_time + late, rel=1e-9)
+
+
+def test_network_checks_its_arguments_and_reads_fitted_links(tmp_path) -> None:
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        Network(2, 0)
+    with pytest.raises(ValueError, match="oversubscription"):
+        Network(2, 1, oversubscription=0.5)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([{"op": "all_reduce", "net_alpha": 1e-5, "net_beta": 1e-9, "local_alpha": 1e-6,
+                                 "local_beta": 1e-10}]))
+    links = sim.links_from_bench(str(path))
+    assert links == {"net": Link(1e-5, 1e-9), "local": Link(1e-6, 1e-10)}
+
+
+def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, capsys) -> None:
+    path = tmp_path / "bench.json"
+    row = {"op": "all_reduce", "world_size": 4, "bytes": 1 << 20, "algorithm": "ring", "ours_us": 1000.0,
+           "net_alpha": 1e-4, "net_beta": 8e-9, "local_alpha": 1e-5, "local_beta": 1e-10}
+    path.write_text(json.dumps([row]))
+    main(["validate", str(path), "--hosts", "4"])
+    simulated = 6 * (1e-4 + (1 << 20) / 4 * 8e-9) * 1e6  # 4 hosts of one rank: a ring over the net link
+    assert f"{simulated:.0f}" in capsys.readouterr().out
