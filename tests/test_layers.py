@@ -64,6 +64,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.testing.runner",),
     ("collectives.testing.plugin", "collectives.testing.__main__"),
     ("collectives.testing",),
+    ("collectives.peers",),
     ("collectives.bench",),
     # data: ways to feed ranks
     ("data.sampler",),
