@@ -70,6 +70,9 @@ SUITES: tuple[Suite, ...] = (
     Suite("all_reduce-loop", "collectives.bench",
           ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float32",
            "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
+    Suite("all_reduce-peers", "collectives.bench",
+          ("--backend", "shm", "--peers", "mpi", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4",
+           "--dtypes", "float32", "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
     Suite("all_reduce-half", "collectives.bench",
           ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float16,bfloat16",
            "--min-bytes", "1M", "--max-bytes", "64M", "--iters", "10")),
@@ -177,7 +180,8 @@ def collectives_table(record: dict[str, Any], cpu: bool = False) -> str:
     """A ``collectives.bench`` run as the bench prints it (its own header and row formatter)."""
     args = BY_NAME[record["suite"]].args
     flags = {"cpu": cpu, "check_cost": "--check-cost" in args, "shm": "--shm" in args}
-    lines = [collectives_bench.header(**flags)]
+    peers = args[args.index("--peers") + 1].split(",") if "--peers" in args else []
+    lines = [collectives_bench.header(**flags, peers=peers)]
     lines += [collectives_bench.format_row(row, **flags) for row in record["result"]]
     return _code("\n".join(lines))
 
@@ -328,6 +332,33 @@ On `p2p`, sizes up to `small_bytes` (4 MiB) use recursive doubling and larger on
 pipelined ring; on `shm`, one-shot up to 2 MiB / n and two-shot above, and the `sym` column skips
 the copy into shared memory ([DESIGN.md](DESIGN.md) §3)."""
 
+_PEERS = """\
+### Against MPI (loop timing)
+
+gloo is the weakest CPU baseline; MPI over shared memory is the one CPU collectives are usually
+held against. `--peers mpi` (optional extra `pip install 'ringddp[peers]'`: mpi4py and the
+`mpich` wheel) starts the ranks with that MPI's `mpiexec`; every rank is an MPI process and
+one of ours, so the `mpi` column (`MPI_Allreduce(MPI_IN_PLACE, ...)` on a NumPy view of the
+same tensor, through mpi4py) is timed interleaved with ours (`shm` here) and torch's, call by
+call, and checked against torch's result like the others. `ours vs` = MPI's time / ours (above
+1: ours is faster). DeepSpeed's CPU shared-memory all-reduce (its C++ op, JIT-built) is not a
+column: it needs DeepSpeed and a compiler toolchain on the machine."""
+
+
+def peers_digest(record: dict[str, Any]) -> str:
+    """Which library each peer column ran, and ours against it by size."""
+    rows = record["result"]
+    libraries = "; ".join(f"`{name}`: {library}" for name, library in rows[0].get("peers", {}).items())
+    lines = [f"Libraries: {libraries}.", "", "| ranks | size | ours (`shm`) | " + " | ".join(rows[0].get("peers", {}))
+             + " | ours vs |", "|---:|---:|---:|" + "---:|" * (len(rows[0].get("peers", {})) + 1)]
+    for row in rows:
+        if row["bytes"] in (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20):
+            cells = " | ".join(f"{row[f'{p}_us']:,.1f} µs" for p in row.get("peers", {}))
+            ratios = ", ".join(f"{row[f'ours_vs_{p}']:.2f}×" for p in row.get("peers", {}))
+            lines.append(f"| {row['world_size']} | {human_size(row['bytes'])} | {row['ours_us']:,.1f} µs | {cells} | {ratios} |")
+    return "\n".join(lines)
+
+
 _CPU = """\
 ### Where the time goes: CPU per call
 
@@ -446,6 +477,8 @@ def render_page(data: dict[str, dict[str, Any]]) -> str:
         section(data, "all_reduce", barrier_skew, digest, collectives_table),
         "### float32, back to back (loop timing)",
         section(data, "all_reduce-loop", digest, collectives_table),
+        _PEERS,
+        section(data, "all_reduce-peers", peers_digest, collectives_table),
         "### float16 and bfloat16, back to back (loop timing)",
         section(data, "all_reduce-half", digest, collectives_table),
         _CPU,
