@@ -40,6 +40,12 @@ tags but no header exchange, :mod:`collectives.wire`), interleaved with the othe
 ``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
 (``RINGDDP_DEBUG``, default CHECK).
 
+``--peers mpi`` adds, for all_reduce, other libraries' call timed the same way in the same processes
+(:mod:`collectives.peers`: MPI's ``MPI_Allreduce`` through mpi4py, the optional extra
+``ringddp[peers]``; the ranks are then started by that MPI's ``mpiexec`` and join our group through
+``env://``), with ``<peer>_us`` and ``ours_vs_<peer>`` = its time / ours (above 1: ours is faster);
+its results are checked against torch's like ours.
+
 ``--placement ROUNDS`` runs instead a placement report for the shared-memory transport (2 ranks):
 each round puts both ranks on one CPU, gives them their affinity masks back, runs 100 all-reduces
 of 4 KiB back to back and records where each rank ended, whether its mask is the one it had, and

@@ -74,7 +74,7 @@ class MpiPeer:
         self.comm = MPI.COMM_WORLD
         if self.comm.Get_rank() != rank:
             raise RuntimeError(f"--peers mpi: MPI rank {self.comm.Get_rank()} is not this job's rank {rank}")
-        self.library = MPI.Get_library_version().splitlines()[0].strip()
+        self.library = " ".join(MPI.Get_library_version().splitlines()[0].split())  # "MPICH Version: 5.0.2"
 
     def supports(self, op: str, dtype: torch.dtype) -> bool:
         return op == "all_reduce" and dtype in _MPI_DTYPES

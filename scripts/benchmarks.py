@@ -285,7 +285,9 @@ size, in one run on the same processes:
 - with `--shm`: `shm`, the op on the shared-memory backend; `sym`, an `all_reduce` of a tensor in
   symmetric memory (`collectives.symmetric_empty`) on `shm`; `memcpy`, one copy of the op's
   buffer on every rank at once, the machine's memory speed;
-- with `--check-cost`: `off`, ours again with `RINGDDP_DEBUG=OFF`.
+- with `--check-cost`: `off`, ours again with `RINGDDP_DEBUG=OFF`;
+- with `--peers mpi` (all_reduce): `mpi`, MPI's `MPI_Allreduce` in the same processes (below,
+  [Against MPI](#against-mpi-loop-timing)).
 
 Calls alternate (ours, torch, wire, ...) on reused buffers, one thread per rank. With the
 default `--timing barrier` every call starts after a barrier, with its input restored before
@@ -348,7 +350,7 @@ column: it needs DeepSpeed and a compiler toolchain on the machine."""
 def peers_digest(record: dict[str, Any]) -> str:
     """Which library each peer column ran, and ours against it by size."""
     rows = record["result"]
-    libraries = "; ".join(f"`{name}`: {library}" for name, library in rows[0].get("peers", {}).items())
+    libraries = "; ".join(f"`{name}`: {' '.join(library.split())}" for name, library in rows[0].get("peers", {}).items())
     lines = [f"Libraries: {libraries}.", "", "| ranks | size | ours (`shm`) | " + " | ".join(rows[0].get("peers", {}))
              + " | ours vs |", "|---:|---:|---:|" + "---:|" * (len(rows[0].get("peers", {})) + 1)]
     for row in rows:
