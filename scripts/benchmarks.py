@@ -348,16 +348,21 @@ column: it needs DeepSpeed and a compiler toolchain on the machine."""
 
 
 def peers_digest(record: dict[str, Any]) -> str:
-    """Which library each peer column ran, and ours against it by size."""
+    """Which library each peer column ran, and ours against it by size, with each one's CPU per
+    rank per call (at more ranks than cores: how much of the wait each spends on a core)."""
     rows = record["result"]
-    libraries = "; ".join(f"`{name}`: {' '.join(library.split())}" for name, library in rows[0].get("peers", {}).items())
-    lines = [f"Libraries: {libraries}.", "", "| ranks | size | ours (`shm`) | " + " | ".join(rows[0].get("peers", {}))
-             + " | ours vs |", "|---:|---:|---:|" + "---:|" * (len(rows[0].get("peers", {})) + 1)]
+    peers = list(rows[0].get("peers", {}))
+    libraries = "; ".join(f"`{name}`: {' '.join(rows[0]['peers'][name].split())}" for name in peers)
+    lines = [f"Libraries: {libraries}. CPU = user + system time per call, per rank (mean over ranks).", "",
+             "| ranks | size | ours (`shm`) | " + " | ".join(peers) + " | ours vs | CPU: ours | "
+             + " | ".join(peers) + " |", "|---:|---:|---:|" + "---:|" * (2 * len(peers) + 2)]
     for row in rows:
         if row["bytes"] in (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20):
-            cells = " | ".join(f"{row[f'{p}_us']:,.1f} µs" for p in row.get("peers", {}))
-            ratios = ", ".join(f"{row[f'ours_vs_{p}']:.2f}×" for p in row.get("peers", {}))
-            lines.append(f"| {row['world_size']} | {human_size(row['bytes'])} | {row['ours_us']:,.1f} µs | {cells} | {ratios} |")
+            times = " | ".join(f"{row[f'{p}_us']:,.1f} µs" for p in peers)
+            ratios = ", ".join(f"{row[f'ours_vs_{p}']:.2f}×" for p in peers)
+            cpus = " | ".join(f"{row[f'{p}_cpu_ms'] * 1e3:,.1f} µs" for p in peers)
+            lines.append(f"| {row['world_size']} | {human_size(row['bytes'])} | {row['ours_us']:,.1f} µs | {times} | "
+                         f"{ratios} | {row['ours_cpu_ms'] * 1e3:,.1f} µs | {cpus} |")
     return "\n".join(lines)
 
 
