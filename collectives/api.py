@@ -119,16 +119,19 @@ def all_reduce(
     (:func:`_all_reduce_sparse`).
     """
     name = "all_reduce"
-    op = ReduceOp.coerce(op)
+    op = op if type(op) is ReduceOp else ReduceOp.coerce(op)
     if isinstance(tensor, torch.Tensor) and tensor.layout is torch.sparse_coo:
         return _all_reduce_sparse(tensor, op, group, async_op, algorithm)
     validate.tensor(tensor, name)
     if (g := member(group, name)) is None:
         return None
     check_op_dtype(op, tensor.dtype, name)
-    _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
-    _check_async(async_op, name)
-    validate.aliasing(name, [("tensor", tensor)])
+    if algorithm != "auto":
+        _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
+    if async_op is not False:
+        _check_async(async_op, name)
+    if not tensor.is_contiguous():  # a contiguous tensor never shares memory with itself
+        validate.aliasing(name, [("tensor", tensor)])
     engine = g.engine(tensor.device, name)
 
     def run() -> None:

@@ -40,6 +40,12 @@ tags but no header exchange, :mod:`collectives.wire`), interleaved with the othe
 ``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
 (``RINGDDP_DEBUG``, default CHECK).
 
+``--peers mpi`` adds, for all_reduce, other libraries' call timed the same way in the same processes
+(:mod:`collectives.peers`: MPI's ``MPI_Allreduce`` through mpi4py, the optional extra
+``ringddp[peers]``; the ranks are then started by that MPI's ``mpiexec`` and join our group through
+``env://``), with ``<peer>_us`` and ``ours_vs_<peer>`` = its time / ours (above 1: ours is faster);
+its results are checked against torch's like ours.
+
 ``--placement ROUNDS`` runs instead a placement report for the shared-memory transport (2 ranks):
 each round puts both ranks on one CPU, gives them their affinity masks back, runs 100 all-reduces
 of 4 KiB back to back and records where each rank ended, whether its mask is the one it had, and
@@ -59,11 +65,12 @@ import json
 import logging
 import os
 import resource
+import shlex
 import statistics
 import sys
 import time
 from math import nan
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -71,10 +78,12 @@ import torch.distributed as tdist
 import collectives
 
 from . import costmodel, debug, ring
+from . import peers as peer_libraries
 from .backends import backend_argument, describe_backends, device_type_of
 from .engine import AlgorithmEngine, Engine
 from .group import get_default_group, new_group
 from .launch import launch
+from .peers import PEERS
 from .sizes import human_size, parse_size
 from .topology import Layout
 from .transport.shm import ShmTransport
@@ -140,8 +149,12 @@ class _Case:
     def run(self, variant: str, group: Any) -> None:
         """One call of ``variant``: ``"ours"`` (this package, default group, ``self.algorithm``),
         ``"shm"`` (this package on the shared-memory group ``group``), ``"sym"`` (all_reduce over
-        ``group`` of an input in symmetric memory) or ``"torch"`` (``torch.distributed`` itself on
-        the torch process group ``group``)."""
+        ``group`` of an input in symmetric memory), ``"torch"`` (``torch.distributed`` itself on
+        the torch process group ``group``) or a peer library's all_reduce (``group`` is the
+        :mod:`collectives.peers` object: in place on the input, like ours)."""
+        if variant in PEERS:
+            group.all_reduce(self.inp)
+            return
         lib = tdist if variant == "torch" else collectives
         op, n = self.op, self.n
         inp = self.sym if variant == "sym" else self.inp
@@ -163,7 +176,7 @@ class _Case:
             lib.all_to_all_single(out, inp, group=group)
 
     def result(self, variant: str) -> torch.Tensor:
-        out, small = self.outs[variant]
+        out, small = self.outs.get(variant, self.outs["ours"])
         if variant == "sym":
             return self.sym.clone()
         if self.op in ("all_reduce", "broadcast"):
@@ -174,11 +187,12 @@ class _Case:
             return torch.empty(0)
         return out.clone()
 
-    def wrong(self, reference: Any, shm_group: Any = None) -> int:
-        """Elements where our result (and shm's) differs from torch's, each from the same input."""
+    def wrong(self, reference: Any, shm_group: Any = None, peers: Sequence[Any] = ()) -> int:
+        """Elements where our result (and shm's, each peer's) differs from torch's, each from the same input."""
         results = {}
         variants = (("torch", reference), ("ours", None)) + ((("shm", shm_group),) if shm_group else ())
         variants += (("sym", shm_group),) if self.sym is not None else ()
+        variants += tuple((peer.name, peer) for peer in peers)
         for variant, group in variants:
             self.prepare()
             self.poison()
@@ -289,7 +303,8 @@ def _checks_off():
 
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
                tuning: dict[str, int], backend: str = "p2p", algorithm: str = "auto", model: bool = False,
-               check_cost: bool = False, shm: bool = False, timing: str = "barrier") -> list[dict]:
+               check_cost: bool = False, shm: bool = False, timing: str = "barrier",
+               peers: Sequence[str] = ()) -> list[dict]:
     """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`.
 
     ``algorithm`` is forced on our all_reduce / broadcast; ``model`` fits α/β by ping-pong first
@@ -297,7 +312,9 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     ``check_cost`` also times ours with ``RINGDDP_DEBUG=OFF``; ``shm`` also times the op over
     the shared-memory transport, all_reduce also on an input in symmetric memory
     (:func:`collectives.symmetric_empty`), and one memcpy of the op's buffer; ``timing`` is
-    ``barrier`` (one call after each barrier) or ``loop`` (back-to-back calls, see the module doc).
+    ``barrier`` (one call after each barrier) or ``loop`` (back-to-back calls, see the module doc);
+    ``peers`` adds a column per peer library (:mod:`collectives.peers`; all_reduce only; the ranks
+    must have been started by that library's launcher, see :func:`main`).
     """
     torch.set_num_threads(1)
     ours = get_default_group()
@@ -318,7 +335,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     if rank == 0 and skew == skew:
         log.warning("torch barrier exit skew at %d ranks: median %.0f us", n, skew * 1e6)
     shm_group = new_group(backend="shm") if shm else None
-    variants = ("ours", "torch", "wire", "off", "shm", "sym", "memcpy")
+    peer_objects = [peer_libraries.make(p, rank) for p in peers]
+    variants = ("ours", "torch", "wire", "off", "shm", "sym", "memcpy") + tuple(peers)
     rows = []
     for op in ops:
         for dtype_name in dtypes:
@@ -328,7 +346,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                 calls = _loop_calls(nbytes) if timing == "loop" else 1
                 times: dict[str, list[float]] = {k: [] for k in variants}
                 cpu: dict[str, list[float]] = {k: [] for k in variants}
-                wrong = case.wrong(reference, shm_group)
+                running = [peer for peer in peer_objects if peer.supports(op, DTYPES[dtype_name])]
+                wrong = case.wrong(reference, shm_group, running)
                 has_wire = case.wire(engine)
                 for i in range(warm + timed):
                     measured = {
@@ -344,6 +363,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                         if case.sym is not None:
                             measured["sym"] = _timed(case.prepare, lambda: case.run("sym", shm_group), sync, calls)
                         measured["memcpy"] = _timed(case.prepare, case.memcpy, sync, calls)
+                    for peer in running:
+                        measured[peer.name] = _timed(case.prepare, lambda: case.run(peer.name, peer), sync, calls)
                     if i >= warm:
                         for k, (wall, used) in measured.items():
                             times[k].append(wall)
@@ -373,6 +394,10 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     row["sym_vs_torch"] = row["torch_us"] / row["sym_us"]
                     row["shm_vs_memcpy"] = row["shm_us"] / row["memcpy_us"]  # time: copies' worth
                     row["algorithm"] = costmodel.algorithm_for(op, algorithm, size, layout, ours.tuning)
+                    if peer_objects:
+                        row["peers"] = {peer.name: peer.library for peer in peer_objects}
+                        for peer in peer_objects:  # above 1: ours is faster
+                            row[f"ours_vs_{peer.name}"] = row[f"{peer.name}_us"] / row["ours_us"]
                     if links:
                         row["model_us"] = 1e6 * costmodel.predict(
                             op, size, layout, links["net"], links["local"], ours.tuning, algorithm, links.get("shm"))
@@ -409,16 +434,25 @@ def format_row(r: dict, cpu: bool = False, check_cost: bool = False, shm: bool =
                f"{num(r['sym_us'], 10, 1)}{num(r['sym_vs_torch'], 9, 2, 'x')} |"
                f"{num(r['memcpy_us'], 10, 1)}{num(r['shm_vs_memcpy'], 8, 2, 'x')}" if shm else "")
             + (f" | {r['algorithm']:<18}{num(r['model_us'], 10, 1)}{num(r['model_us'] / r['ours_us'], 7, 2, 'x')}"
-               if "model_us" in r else ""))
+               if "model_us" in r else "")
+            + "".join(f" |{num(r[f'{p}_us'], 10, 1)}{num(r[f'{p}_busbw'], 7, 2)}{num(r[f'ours_vs_{p}'], 9, 2, 'x')}"
+                      for p in r.get("peers", ())))
 
 
 MODEL_HEADER = f" | {'algorithm':<18}{'model us':>10}{'/ours':>7}"
 
 
-def header(cpu: bool = False, check_cost: bool = False, shm: bool = False, model: bool = False) -> str:
-    """The column titles above :func:`format_row`'s rows printed with the same flags."""
+def peer_header(peer: str) -> str:
+    """A peer library's columns: its time, its busbw, and its time / ours (above 1: ours is faster)."""
+    return f" |{peer + ' us':>10}{'busbw':>7}{'ours vs':>9}"
+
+
+def header(cpu: bool = False, check_cost: bool = False, shm: bool = False, model: bool = False,
+           peers: Sequence[str] = ()) -> str:
+    """The column titles above :func:`format_row`'s rows printed with the same flags (rows of a
+    ``--peers`` run carry their peer columns last)."""
     return (HEADER + (CPU_HEADER if cpu else "") + (CHECK_HEADER if check_cost else "")
-            + (SHM_HEADER if shm else "") + (MODEL_HEADER if model else ""))
+            + (SHM_HEADER if shm else "") + (MODEL_HEADER if model else "") + "".join(map(peer_header, peers)))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -534,6 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--placement", type=int, metavar="ROUNDS",
                    help="instead of timing: where 2 ranks over shm end up after being put on one CPU, ROUNDS "
                         "times (module doc)")
+    p.add_argument("--peers", default="",
+                   help=f"CPU, all_reduce: also time other libraries' all_reduce in the same processes, comma list of "
+                        f"{','.join(PEERS)} (MPI's MPI_Allreduce in place through mpi4py: pip install 'ringddp[peers]'; "
+                        "the ranks are then started by that MPI's mpiexec)")
+    p.add_argument("--peer-job", nargs=2, metavar=("PORT", "ROWS"), help=argparse.SUPPRESS)  # a rank under mpiexec
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
@@ -566,12 +605,23 @@ def main(argv: list[str] | None = None) -> int:
             p.error(reason or f"--hosts {args.hosts}: every world size must be a multiple of it")
     if args.shm and (device_type_of(args.backend) != "cpu" or args.hosts):
         p.error("--shm compares CPU backends on one host: use it with a CPU --backend and no --hosts")
-    print(header(args.cpu, args.check_cost, args.shm, args.model))
+    peers = [name for name in args.peers.split(",") if name]
+    if peers and (device_type_of(args.backend) != "cpu" or args.hosts or args.model):
+        p.error("--peers compares CPU libraries on one host: use it with a CPU --backend, no --hosts, no --model")
+    if reason := next(filter(None, map(peer_libraries.unavailable, peers)), None):
+        p.error(reason)
+    job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
+           args.model, args.check_cost, args.shm, args.timing, peers)
+    if args.peer_job:
+        return _peer_rank(job, *args.peer_job)
+    print(header(args.cpu, args.check_cost, args.shm, args.model, peers))
     for n in world_sizes:
-        job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
-               args.model, args.check_cost, args.shm, args.timing)
-        result = _run_hosts(args.hosts, link, args.emulator, n, job) if args.hosts else launch(
-            job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
+        if args.hosts:
+            result = _run_hosts(args.hosts, link, args.emulator, n, job)
+        elif peers:
+            result = _run_under_mpiexec(argv if argv is not None else sys.argv[1:], n)
+        else:
+            result = launch(job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
         for r in result:
             print(format_row(r, args.cpu, args.check_cost, args.shm))
         sys.stdout.flush()
@@ -582,6 +632,56 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(rows, args.plot)
     return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def _run_under_mpiexec(argv: list[str], n: int) -> list[dict]:
+    """Rank 0's rows of this benchmark run at ``n`` ranks started by MPI's ``mpiexec`` (``--peers``):
+    each process is one MPI rank and joins our group through ``env://`` (:func:`_peer_rank`)."""
+    import socket
+    import subprocess
+    import tempfile
+
+    with socket.socket() as s:  # a free port for the rendezvous of our group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = os.path.join(tmp, "rows.json")
+        child = _without(argv, ("--json", "--plot", "--world-sizes"))  # the parent writes the files
+        command = [peer_libraries.mpiexec() or "mpiexec", "-n", str(n), sys.executable, "-m", "collectives.bench",
+                   *child, "--world-sizes", str(n), "--peer-job", str(port), rows]
+        done = subprocess.run(command, stdout=subprocess.DEVNULL)
+        if done.returncode != 0 or not os.path.exists(rows):
+            raise RuntimeError(f"the ranks started by {shlex.join(command)} exited with status {done.returncode}")
+        with open(rows) as f:
+            return json.load(f)
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` less ``options`` and their values (``--opt VALUE`` or ``--opt=VALUE``)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(o + "=" for o in options)):
+            kept.append(arg)
+    return kept
+
+
+def _peer_rank(job: tuple, port: str, rows: str) -> int:
+    """One rank started by ``mpiexec``: join our group as the MPI launcher numbers it, run ``job``,
+    and (rank 0) write its rows to ``rows``."""
+    found = peer_libraries.rank_from_launcher()
+    if found is None:
+        raise RuntimeError("--peer-job: no MPI launcher variables (PMI_RANK or OMPI_COMM_WORLD_RANK) in the environment")
+    rank, size = found
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    result = launch(job[0], size, *job[1:], backend=job[6], log_level=logging.WARNING)[rank]
+    if rank == 0:
+        with open(rows, "w") as f:
+            json.dump(result, f)
+    return 0
 
 
 def _run_hosts(hosts: int, link: str | None, emulator: str, n: int, job: tuple) -> list[dict]:

@@ -70,6 +70,9 @@ SUITES: tuple[Suite, ...] = (
     Suite("all_reduce-loop", "collectives.bench",
           ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float32",
            "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
+    Suite("all_reduce-peers", "collectives.bench",
+          ("--backend", "shm", "--peers", "mpi", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4",
+           "--dtypes", "float32", "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
     Suite("all_reduce-half", "collectives.bench",
           ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float16,bfloat16",
            "--min-bytes", "1M", "--max-bytes", "64M", "--iters", "10")),
@@ -177,7 +180,8 @@ def collectives_table(record: dict[str, Any], cpu: bool = False) -> str:
     """A ``collectives.bench`` run as the bench prints it (its own header and row formatter)."""
     args = BY_NAME[record["suite"]].args
     flags = {"cpu": cpu, "check_cost": "--check-cost" in args, "shm": "--shm" in args}
-    lines = [collectives_bench.header(**flags)]
+    peers = args[args.index("--peers") + 1].split(",") if "--peers" in args else []
+    lines = [collectives_bench.header(**flags, peers=peers)]
     lines += [collectives_bench.format_row(row, **flags) for row in record["result"]]
     return _code("\n".join(lines))
 
@@ -281,7 +285,9 @@ size, in one run on the same processes:
 - with `--shm`: `shm`, the op on the shared-memory backend; `sym`, an `all_reduce` of a tensor in
   symmetric memory (`collectives.symmetric_empty`) on `shm`; `memcpy`, one copy of the op's
   buffer on every rank at once, the machine's memory speed;
-- with `--check-cost`: `off`, ours again with `RINGDDP_DEBUG=OFF`.
+- with `--check-cost`: `off`, ours again with `RINGDDP_DEBUG=OFF`;
+- with `--peers mpi` (all_reduce): `mpi`, MPI's `MPI_Allreduce` in the same processes (below,
+  [Against MPI](#against-mpi-loop-timing)).
 
 Calls alternate (ours, torch, wire, ...) on reused buffers, one thread per rank. With the
 default `--timing barrier` every call starts after a barrier, with its input restored before
@@ -327,6 +333,45 @@ _ALL_REDUCE = """\
 On `p2p`, sizes up to `small_bytes` (4 MiB) use recursive doubling and larger ones the
 pipelined ring; on `shm`, one-shot up to 2 MiB / n and two-shot above, and the `sym` column skips
 the copy into shared memory ([DESIGN.md](DESIGN.md) §3)."""
+
+_PEERS = """\
+### Against MPI (loop timing)
+
+gloo is the weakest CPU baseline; MPI over shared memory is the one CPU collectives are usually
+held against. `--peers mpi` (optional extra `pip install 'ringddp[peers]'`: mpi4py and the
+`mpich` wheel) starts the ranks with that MPI's `mpiexec`; every rank is an MPI process and
+one of ours, so the `mpi` column (`MPI_Allreduce(MPI_IN_PLACE, ...)` on a NumPy view of the
+same tensor, through mpi4py) is timed interleaved with ours (`shm` here) and torch's, call by
+call, and checked against torch's result like the others. `ours vs` = MPI's time / ours (above
+1: ours is faster). DeepSpeed's CPU shared-memory all-reduce (its C++ op, JIT-built) is not a
+column: it needs DeepSpeed and a compiler toolchain on the machine.
+
+How each waits matters at 4 ranks on 2 cores, where a waiting rank holds a core a peer needs.
+One 4 KiB all-reduce whose rank 0 arrives 200 ms late (measured once each, at load 10-16):
+MPICH's waiting ranks kept polling the whole time, 34-70 ms of CPU each in the 200 ms (all the
+core time the busy scheduler gave them), at 2 and at 4 ranks; ours spin up to 1 ms (50 µs at 4
+ranks) and then sleep until woken, 1.3-1.8 ms of CPU each. The CPU columns below are per call
+of the back-to-back loop, where nobody waits long."""
+
+
+def peers_digest(record: dict[str, Any]) -> str:
+    """Which library each peer column ran, and ours against it by size, with each one's CPU per
+    rank per call (at more ranks than cores: how much of the wait each spends on a core)."""
+    rows = record["result"]
+    peers = list(rows[0].get("peers", {}))
+    libraries = "; ".join(f"`{name}`: {' '.join(rows[0]['peers'][name].split())}" for name in peers)
+    lines = [f"Libraries: {libraries}. CPU = user + system time per call, per rank (mean over ranks).", "",
+             "| ranks | size | ours (`shm`) | " + " | ".join(peers) + " | ours vs | CPU: ours | "
+             + " | ".join(peers) + " |", "|---:|---:|---:|" + "---:|" * (2 * len(peers) + 2)]
+    for row in rows:
+        if row["bytes"] in (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20):
+            times = " | ".join(f"{row[f'{p}_us']:,.1f} µs" for p in peers)
+            ratios = ", ".join(f"{row[f'ours_vs_{p}']:.2f}×" for p in peers)
+            cpus = " | ".join(f"{row[f'{p}_cpu_ms'] * 1e3:,.1f} µs" for p in peers)
+            lines.append(f"| {row['world_size']} | {human_size(row['bytes'])} | {row['ours_us']:,.1f} µs | {times} | "
+                         f"{ratios} | {row['ours_cpu_ms'] * 1e3:,.1f} µs | {cpus} |")
+    return "\n".join(lines)
+
 
 _CPU = """\
 ### Where the time goes: CPU per call
@@ -446,6 +491,8 @@ def render_page(data: dict[str, dict[str, Any]]) -> str:
         section(data, "all_reduce", barrier_skew, digest, collectives_table),
         "### float32, back to back (loop timing)",
         section(data, "all_reduce-loop", digest, collectives_table),
+        _PEERS,
+        section(data, "all_reduce-peers", peers_digest, collectives_table),
         "### float16 and bfloat16, back to back (loop timing)",
         section(data, "all_reduce-half", digest, collectives_table),
         _CPU,

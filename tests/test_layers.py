@@ -69,6 +69,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.testing.runner",),
     ("collectives.testing.plugin", "collectives.testing.__main__"),
     ("collectives.testing",),
+    ("collectives.peers",),
     ("collectives.bench", "collectives.sim.__main__"),
     # data: ways to feed ranks
     ("data.sampler",),

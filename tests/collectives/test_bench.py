@@ -108,3 +108,55 @@ def test_bench_counts_outputs_never_written_as_wrong(pools):
     for op in bench.OPS:
         assert sum(c[False][op] for c in counts) == 0, (op, counts)
         assert sum(c[True][op] for c in counts) > 0, (op, counts)  # torch's result is not mistaken for ours
+
+
+class _Peer:
+    """A stand-in peer library: torch's all_reduce (right), or nothing at all (``broken``)."""
+
+    name = "mpi"
+    library = "stand-in"
+
+    def __init__(self, group, broken):
+        self.group, self.broken = group, broken
+
+    def supports(self, op, dtype):
+        return op == "all_reduce"
+
+    def all_reduce(self, tensor):
+        if not self.broken:
+            tdist.all_reduce(tensor, group=self.group)
+
+
+def _peer_wrong_counts(rank, world_size):
+    reference = tdist.new_group(backend="gloo")
+    case = bench._Case("all_reduce", torch.float32, 1024, rank, world_size, torch.device("cpu"))
+    return {broken: case.wrong(reference, peers=[_Peer(reference, broken)]) for broken in (False, True)}
+
+
+@pytest.mark.timeout(120)
+def test_bench_checks_each_peer_result(pools):
+    counts = pools(2).run(_peer_wrong_counts)
+    assert sum(c[False] for c in counts) == 0 and sum(c[True] for c in counts) > 0, counts
+
+
+@pytest.mark.timeout(240)
+def test_bench_mpi_peer_column(tmp_path, capsys):
+    """``--peers mpi`` (optional extra): ranks started by mpiexec, MPI's all_reduce timed beside ours and checked."""
+    pytest.importorskip("mpi4py")
+    if bench.peer_libraries.unavailable("mpi"):
+        pytest.skip(bench.peer_libraries.unavailable("mpi"))
+    out = tmp_path / "bench.json"
+    argv = ["--backend", "shm", "--peers", "mpi", "--world-sizes", "2", "--min-bytes", "4K", "--max-bytes", "8K",
+            "--timing", "loop", "--iters", "2", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["bytes"] for r in rows] == [4096, 8192]
+    for r in rows:
+        assert r["wrong"] == 0 and "MPI" in r["peers"]["mpi"], r
+        assert math.isfinite(r["mpi_us"]) and r["ours_vs_mpi"] == r["mpi_us"] / r["ours_us"]
+    assert "mpi us" in capsys.readouterr().out
+
+
+def test_bench_peer_job_argv_drops_the_files_and_world_sizes():
+    argv = ["--peers", "mpi", "--json", "a.json", "--world-sizes=2,4", "--plot", "p.png", "--iters", "3"]
+    assert bench._without(argv, ("--json", "--plot", "--world-sizes")) == ["--peers", "mpi", "--iters", "3"]
