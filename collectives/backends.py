@@ -293,7 +293,8 @@ def _shm_host_transport(group: GroupInfo) -> HostTransport:
 
     def make(host: int, members: Sequence[int], fallback: Callable[[], Transport]) -> Transport:
         store = dist.PrefixStore(f"hier/{host}/", group.store)
-        return ShmTransport(list(members).index(group.rank()), len(members), group.timeout, store, fallback=fallback)
+        return ShmTransport(list(members).index(group.rank()), len(members), group.timeout, store, fallback=fallback,
+                            abandoned=lambda: group.broken)
 
     return make
 

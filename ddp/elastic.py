@@ -22,9 +22,10 @@ needed: the failure-free overhead is nil beyond the heartbeat thread.
 **Limits.** Our bucketed DDP only (ZeRO-1/2 shards would need a replica of each optimizer
 shard), no shrink mode and no warm spares yet, and a member's own state outside the model and
 optimizer must be a function of the step (as the sampler position and RNG are here). Buffers
-(BatchNorm's running statistics) are healed from the most advanced member too: rank 0's (slot
-0's) when it is among them, as DDP broadcasts them; when slot 0 itself lost the step they come
-from another member and differ from the failure-free run's (parameters and optimizer state do not).
+(BatchNorm's running statistics): a lost attempt's updates are rolled back, and healing copies
+the most advanced member's. DDP broadcasts rank 0's at each forward, so they are the failure-free
+ones unless slot 0 lost a step that another member completed: then they come from that member
+and differ (parameters and optimizer state never do).
 """
 
 from __future__ import annotations
@@ -103,11 +104,21 @@ class Config:
     report_progress: bool = False  # publish each committed step (for chaos at given steps)
 
 
+class StateLostError(RuntimeError):
+    """No live member holds the training state any more: the run cannot go on where it was."""
+
+
 def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> int:
     """Make every member's state that of the most advanced member; returns the common step."""
     steps = torch.zeros(group.size(), dtype=torch.int64)
     collectives.all_gather_into_tensor(steps, torch.tensor([step]), group=group)
     ahead = int(steps.max())
+    if ahead < 0:
+        raise StateLostError(
+            "ddp.elastic: every member of this generation is a replacement: the members that held the training "
+            "state all died before one of them could heal the others (one in-memory copy per member; restart "
+            "from a checkpoint)"
+        )
     src = group.ranks[int((steps == ahead).nonzero()[0])]
     state = [{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}]
     collectives.broadcast_object_list(state, src=src, group=group)
@@ -127,12 +138,14 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
     step, failed = (-1 if replacement else 0), 0
     stale = True  # every generation starts by healing: replacements may join the first one too
     ddp: DistributedDataParallel | None = None
+    before: list[torch.Tensor] | None = None  # buffers before the step in flight
     try:
         while True:
             try:
                 if stale:
                     step = heal(eg.group, model, opt, step)
                     stale = False
+                    log.info("generation %d: healed to step %d", eg.generation, step)
                 if step >= cfg.job.steps:
                     break
                 if ddp is None:
@@ -140,13 +153,20 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
                 x, y = cfg.job.batch(step, slot, cfg.world_size)
                 torch.manual_seed(cfg.seed * 1_000_003 + slot * 10_007 + step)
                 opt.zero_grad(set_to_none=True)
+                before = [b.detach().clone() for b in model.buffers()]  # the attempt's forward updates them
                 nn.functional.cross_entropy(ddp(x), y).backward()
+                before = None
                 opt.step()
                 step += 1
                 if cfg.report_progress:
-                    store.set(f"ringddp/ddp-elastic/progress/{slot}", str(step))
+                    store.set(f"ringddp/ddp-elastic/progress/{slot}", f"{step}:{eg.generation}")
             except collectives.CollectiveError as exc:
                 log.warning("step %d failed (%s); re-forming", step, str(exc).splitlines()[0][:160])
+                if before is not None:  # the lost attempt leaves no trace: its redo updates them once
+                    with torch.no_grad():
+                        for b, old in zip(model.buffers(), before):
+                            b.copy_(old)
+                    before = None
                 if ddp is not None:
                     ddp.remove_hooks()
                     ddp = None
@@ -178,6 +198,9 @@ def _child(cfg: Config, port: int, slot: int, replacement: bool, conn) -> None:
     except collectives.FencedError as exc:
         send("fenced", str(exc))
         os._exit(3)
+    except StateLostError as exc:
+        send("lost", str(exc))
+        os._exit(4)
     except BaseException as exc:  # noqa: BLE001 - the launcher reports it
         send("error", f"{type(exc).__name__}: {exc}")
         os._exit(1)
@@ -190,12 +213,15 @@ class Outcome:
     reports: dict[int, dict[str, Any]]
     events: list[str]
     recoveries: int
+    recovery_seconds: list[float]  # per chaos signal: until a newer generation committed a step
 
 
-def progress(store: dist.Store, world_size: int) -> int:
-    """The most advanced member's committed steps (with ``Config.report_progress``)."""
+def progress(store: dist.Store, world_size: int) -> tuple[int, int]:
+    """The most advanced member's committed steps, and the newest generation that committed one
+    (with ``Config.report_progress``)."""
     keys = [f"ringddp/ddp-elastic/progress/{slot}" for slot in range(world_size)]
-    return max((int(store.get(k)) for k in keys if store.check([k])), default=0)
+    seen = [tuple(int(v) for v in store.get(k).decode().split(":")) for k in keys if store.check([k])]
+    return max((s for s, _ in seen), default=0), max((g for _, g in seen), default=-1)
 
 
 def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float = 600.0) -> Outcome:
@@ -227,15 +253,24 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
     reports: dict[int, dict[str, Any]] = {}
     stopped: dict[int, float] = {}  # pid -> when the launcher first saw it stopped
     recoveries = 0
+    waiting: list[tuple[float, int]] = []  # (when a signal was sent, the newest generation then)
+    recovery: list[float] = []
     try:
         while len(reports) < cfg.world_size:
             if time.monotonic() > deadline:
                 raise collectives.LaunchError(f"ddp.elastic: not done after {join_timeout:g}s; events: {events}")
-            while pending and progress(store, cfg.world_size) >= pending[0][0]:
+            done, generation = progress(store, cfg.world_size) if cfg.report_progress else (0, -1)
+            for i, (sent, before) in enumerate(waiting):  # recovered: a step committed by a newer generation
+                if generation > before:
+                    recovery.append(time.monotonic() - sent)
+                    del waiting[i]
+                    break
+            while pending and done >= pending[0][0]:
                 at, slot, sig = pending.pop(0)
                 p = procs[slot][0]
                 if slot not in reports and p.is_alive():
                     os.kill(p.pid, sig)
+                    waiting.append((time.monotonic(), generation))
                     events.append(f"{time.monotonic() - t0:.2f}s: sent {signal.Signals(sig).name} to slot {slot} "
                                   f"(pid {p.pid}) after step {at}")
                     log.warning(events[-1])
@@ -258,6 +293,8 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                     if status == "ok":
                         reports[slot] = value
                         continue
+                    if status == "lost":  # replacing members cannot help: fail the job, loudly
+                        raise collectives.LaunchError(f"slot {slot}: {value}; events: {events}")
                 elif p.sentinel in ready:
                     status, value = "died", None
                 else:
@@ -273,4 +310,4 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
             if p.is_alive():
                 p.kill()
             p.join(10)
-    return Outcome(reports, events, recoveries)
+    return Outcome(reports, events, recoveries, recovery)

