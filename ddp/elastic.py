@@ -229,7 +229,9 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
     stopped for the heartbeat bound), and return when every slot has reported. ``chaos``:
     ``(step, slot, signal)``: once a member has committed ``step`` steps, send ``signal`` to the
     slot's process of that moment, from here (outside the member), wherever it is in its step
-    (needs ``cfg.report_progress``)."""
+    (needs ``cfg.report_progress``). Signals of one step are sent together; those of a later step
+    wait until the group recovered from the earlier ones (a starved launcher would otherwise send
+    them all at once)."""
     if chaos and not cfg.report_progress:
         raise ValueError("ddp.elastic.run: chaos at given steps needs Config(report_progress=True)")
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
@@ -265,8 +267,10 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                     recovery.append(time.monotonic() - sent)
                     del waiting[i]
                     break
-            while pending and done >= pending[0][0]:
+            fired = None  # signals of one step go together; a later step's wait for the recovery
+            while pending and done >= pending[0][0] and (not waiting or pending[0][0] == fired):
                 at, slot, sig = pending.pop(0)
+                fired = at
                 p = procs[slot][0]
                 if slot not in reports and p.is_alive():
                     os.kill(p.pid, sig)

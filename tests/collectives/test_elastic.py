@@ -22,7 +22,7 @@ import collectives
 from collectives.elastic import ElasticGroup, FencedError
 from collectives.launch import set_parent_death_signal
 
-BOUND = 2.0  # heartbeat bound (s)
+BOUND = 4.0  # heartbeat bound (s): one a loaded machine keeps (a starved healthy member is not "silent")
 TIMEOUT = 60.0  # the collective timeout: detection must come from the heartbeat, far sooner
 
 
