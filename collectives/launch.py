@@ -31,6 +31,7 @@ from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
+from . import procfs
 from .backends import resolve_backend
 from .errors import timeout_seconds
 from .group import destroy_process_group, init_process_group
@@ -273,11 +274,7 @@ def grace_seconds(timeout: float | None) -> float:
 
 def is_stopped(proc: mp.process.BaseProcess) -> bool:
     """Whether ``proc`` is stopped (SIGSTOP, traced): it runs nothing until continued."""
-    try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):  # exited, or no /proc
-        return False
+    return procfs.state(proc.pid) in ("T", "t")
 
 
 def stop_ranks(procs: list[mp.process.BaseProcess], exit_grace: float = 0.0) -> None:

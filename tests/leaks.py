@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from collectives import procfs
+
 #: set by tests/conftest.py in the pytest process; every process the session starts inherits it.
 SESSION_VARIABLE = "RINGDDP_TEST_SESSION"
 #: prefix of the mount points :class:`PrivateTmpfs` makes (the session id follows it).
@@ -58,11 +60,7 @@ def _cmdline(pid: int) -> str:
 
 def process_state(pid: int) -> str | None:
     """The process's state letter (``R``, ``S``, ``T``, ``Z``...), or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    return procfs.state(pid)
 
 
 def alive(pid: int) -> bool:
