@@ -42,7 +42,11 @@ generation's memory: each generation has its own store prefix, gloo connections 
 shared-memory segments, and the survivors unmapped and unlinked the old ones.
 
 **What it needs.** A TCP store whose server outlives the members (the launcher's, or torchrun's
-agent store; not one hosted by a member). Cost when nothing fails: the heartbeat thread's two
+agent store; not one hosted by a member). A member cut off from that store (its host's link
+is down) cannot wait on it: the store client's requests then block past any deadline. Its own
+heartbeat shows it (no beat went through for the bound, which is when the others fence it), so
+:meth:`~ElasticGroup.reform` raises :class:`FencedError` without touching the store, and
+:meth:`~ElasticGroup.close` skips saying goodbye. Cost when nothing fails: the heartbeat thread's two
 store requests per beat (well under 1 ms each on one host), off the critical path.
 """
 
@@ -59,6 +63,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from . import procfs
 from .errors import CollectiveError, CollectiveTimeoutError, timed_out, timeout_seconds
 from .group import Group, host_key
 
@@ -90,15 +95,6 @@ def _tcp_store(store: dist.Store) -> dist.TCPStore:
     return store
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 class Heartbeat:
     """A member's heartbeat thread: publishes its own counter, watches every other member of the
     job (any generation, forming or formed), fences the silent ones (module docstring).
@@ -126,6 +122,19 @@ class Heartbeat:
     def beat(self) -> None:
         self._beats += 1
         self._store.set(f"hb/{self.me.uid}", str(self._beats))
+        self.last_beat = time.monotonic()
+
+    def in_contact(self) -> bool:
+        """Whether this member still reaches the store: a beat went through within the bound, or
+        one does within the next bound (a beat is due every bound/4). A member cut off from the
+        store (its host's link is down) is silent to the others, who fence it after the bound:
+        it must not wait on the store, whose requests then block past any deadline."""
+        deadline = time.monotonic() + self.bound
+        while time.monotonic() - self.last_beat > self.bound:
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.01)
+        return True
 
     def _run(self) -> None:
         interval = self.bound / 4
@@ -173,7 +182,7 @@ class Heartbeat:
         if not self._kill:
             return
         _, host, pid, started = self._store.get(f"proc/{m.uid}").decode().split("|")
-        if host == host_key() and _start_time(int(pid)) == started:
+        if host == host_key() and procfs.start_time(int(pid)) == started:
             try:
                 os.kill(int(pid), signal.SIGKILL)
                 log.warning("killed silent member %d (pid %s): %s", m.uid, pid, reason)
@@ -236,7 +245,7 @@ class ElasticGroup:
         self.world_size, self.name, self.backend = world_size, name, backend
         self.timeout = timeout_seconds(timeout)
         self.me = Member(slot, int(self._store.add("uid", 1)) - 1)
-        self._store.set(f"proc/{self.me.uid}", f"{slot}|{host_key()}|{os.getpid()}|{_start_time(os.getpid())}")
+        self._store.set(f"proc/{self.me.uid}", f"{slot}|{host_key()}|{os.getpid()}|{procfs.start_time(os.getpid())}")
         self._fenced: str | None = None
         self._heartbeat = None
         if heartbeat is not None:
@@ -285,6 +294,10 @@ class ElasticGroup:
             self.group.mark_broken(CollectiveError(f"group {self.group.name} re-forms", op="reform"))
             self.group.close()
             self.group = None
+        if self._fenced is None and self._heartbeat is not None and not self._heartbeat.in_contact():
+            self._fenced = (f"cut off: no heartbeat reached the store for {self._heartbeat.bound:g}s (the others fence "
+                            "a member that silent)")
+            raise FencedError(f"reform: this member (slot {self.me.slot}) is {self._fenced}", op="reform")
         return self._join(self.generation + 1, allow_shrink, self.timeout if wait is None else wait)
 
     def _check_fenced(self) -> None:
@@ -377,7 +390,8 @@ class ElasticGroup:
     def close(self) -> None:
         """Leave: say so (the peers' heartbeats stop watching this member), stop the heartbeat,
         close the group."""
-        self._store.set(f"left/{self.me.uid}", "1")
+        if self._heartbeat is None or self._heartbeat.in_contact():
+            self._store.set(f"left/{self.me.uid}", "1")
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self.group is not None:

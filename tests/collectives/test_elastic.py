@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import signal
+import sys
 import time
 
 import pytest
@@ -204,3 +206,86 @@ def test_bad_arguments_raise_before_anything_is_made():
                           ({"slot": 0, "world_size": 2, "heartbeat": 0}, "heartbeat")]:
         with pytest.raises(ValueError, match=match):
             ElasticGroup(tcp, **kwargs)
+
+
+def host_member(out_dir: str, steps: int, cut_after: int, timeout: float) -> None:
+    """One member of a job over network-namespace hosts (started by ``HostNet.popen`` with
+    torchrun's environment; the store's server runs on host 0): slot = RANK. Runs ``steps`` exact
+    all-reduces on backend ``auto``, re-forming (shrinking) after a failure, and writes its log;
+    from step ``cut_after`` on it waits until the test has cut host 1 off."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    log: list = []
+    try:
+        eg = ElasticGroup(store, rank, world, backend="auto", timeout=timeout, heartbeat=BOUND)
+        step = 0
+        while step < steps:
+            if step == cut_after:
+                open(os.path.join(out_dir, f"at-cut{rank}"), "w").close()
+                while not os.path.exists(os.path.join(out_dir, "cut")):
+                    time.sleep(0.02)
+            t = torch.full((1000,), float((rank + 1) * (step + 1)))
+            try:
+                collectives.all_reduce(t, group=eg.group)
+            except collectives.CollectiveError as exc:
+                log.append(("failed", step, time.time(), type(exc).__name__))
+                eg.reform(allow_shrink=True, wait=3.0)
+                continue
+            want = sum(m.slot + 1 for m in eg.members) * (step + 1)
+            log.append((step, eg.generation, eg.size(), bool((t == want).all())))
+            step += 1
+        eg.close()
+        outcome = ("ok", log)
+    except BaseException as exc:  # noqa: BLE001 - the test reads it
+        outcome = ("error", log + [f"{type(exc).__name__}: {str(exc)[:300]}"])
+    with open(os.path.join(out_dir, f"log{rank}.pkl"), "wb") as f:
+        pickle.dump(outcome, f)
+    os._exit(0)
+
+
+@pytest.mark.timeout(240)
+def test_a_host_cut_off_mid_run_leaves_the_other_host_going(tmp_path):
+    """2 network-namespace hosts x 2 members on backend ``auto`` (shared memory inside a host, the
+    network between them); host 1's link is cut after step 3. Its members cannot be killed from
+    host 0: they are fenced by the heartbeats, the survivors' call in flight ends at its deadline
+    (nothing ends a wait on a peer that cannot be killed), they re-form without host 1 and finish
+    every step with exact sums over their own slots. Host 1's members end with FencedError (their
+    heartbeats no longer reach the store), not a hang in a store request."""
+    from collectives.testing.hosts import HostNet, unavailable
+
+    if (reason := unavailable()) is not None:
+        pytest.skip(reason)
+    timeout, steps, cut_after = 10.0, 8, 3
+    code = ("import sys; from tests.collectives.test_elastic import host_member; "
+            "host_member(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    server = ("import sys, time, torch.distributed as d; s = d.TCPStore(sys.argv[1], int(sys.argv[2]), 1, True, "
+              "wait_for_workers=False); time.sleep(600)")
+    with HostNet(hosts=2) as net:
+        net.popen(0, [sys.executable, "-c", server, net.address(0), str(net.rank_env(0, 2)["MASTER_PORT"])])
+        procs = [net.popen(rank // 2, [sys.executable, "-c", code, str(tmp_path), str(steps), str(cut_after), str(timeout)],
+                           env=net.rank_env(rank, 2, {"PYTHONPATH": root}), cwd=root)
+                 for rank in range(4)]
+        deadline = time.monotonic() + 150
+        while len(list(tmp_path.glob("at-cut*"))) < 4:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "members did not reach the cut"
+            time.sleep(0.05)
+        net.set_link(1, up=False)
+        cut = time.time()
+        (tmp_path / "cut").touch()
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    logs = {rank: pickle.loads((tmp_path / f"log{rank}.pkl").read_bytes()) for rank in range(4)}
+    for rank in (0, 1):
+        status, log = logs[rank]
+        assert status == "ok", (rank, log)
+        (failure,) = _failed_at(log)
+        assert failure[1] == cut_after and failure[2] - cut < 2 * timeout + 10, (rank, failure, cut)
+        done = _steps_ok(log)
+        assert [s[0] for s in done] == list(range(steps)) and all(s[3] for s in done), (rank, done)
+        assert [s[2] for s in done] == [4] * cut_after + [2] * (steps - cut_after), (rank, done)
+    for rank in (2, 3):
+        status, log = logs[rank]
+        assert status == "error" and "FencedError" in log[-1] and "cut off" in log[-1], (rank, log)
+        assert not any(s[0] >= cut_after for s in _steps_ok(log)), (rank, log)
