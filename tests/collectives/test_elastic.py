@@ -177,15 +177,20 @@ def test_killed_member_is_replaced_and_the_full_world_goes_on(backend):
 @pytest.mark.parametrize("backend", ["shm"])  # the fence is the store's, whatever the backend
 def test_fenced_member_that_wakes_up_cannot_take_part(backend):
     """With nobody killed (``kill_silent=False``, as for a member on another host), slot 2 stops
-    before step 1; the heartbeat fences it, the survivors' call in flight ends at its deadline
-    (10 s here: nothing ends a wait on a process that cannot be killed), and they shrink and run
-    on. Once they are done, slot 2 is resumed: it may still finish the old generation's step from
-    the memory it kept mapped (the survivors abandoned that step), but it ends with FencedError
-    without a step in any later generation, and the survivors' sums were exact throughout."""
-    job = Job(backend, 3, 4, shrink=True, wait=8.0, kill=False, timeout=10.0)
+    before step 1; the heartbeat fences it and marks the group broken, which ends the survivors'
+    shared-memory wait in flight within the bound (not at the 60 s deadline), and they shrink and
+    run on. Once they are done, slot 2 is resumed: it may still finish the old generation's step
+    from the memory it kept mapped (the survivors abandoned that step), but it ends with
+    FencedError without a step in any later generation, and the survivors' sums were exact
+    throughout."""
+    job = Job(backend, 3, 4, shrink=True, wait=8.0, kill=False)
     try:
         job.stop_at(2, 1, signal.SIGSTOP)
         logs = [job.read(i, "ok") for i in (0, 1)]
+        stopped = float(job.store.get(f"stopped/{job.uids[2]}"))
+        for log in logs:
+            (failure,) = _failed_at(log)
+            assert failure[2] - stopped < BOUND + 8 and "abandoned" in failure[4], (failure, stopped)
         os.kill(job.procs[2][0].pid, signal.SIGCONT)
         status, log = job.read(2)
         assert status == "fenced", (status, log)

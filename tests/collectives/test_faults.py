@@ -157,7 +157,7 @@ def test_launcher_grants_the_other_ranks_a_grace_period(tmp_path, stop):
         assert not os.path.exists(marker + ".lingered")  # stopped, then terminated: it never ran again
     else:
         assert os.path.exists(marker + ".lingered")  # not stopped at once
-        assert grace - 0.5 <= returned - failed < grace + 4.0, returned - failed
+        assert grace - 0.5 <= returned - failed < grace + 10.0, returned - failed  # + stopping the ranks, loaded
     assert [p for p in multiprocessing.active_children() if p.name.startswith("ringddp-rank")] == []
 
 

@@ -96,6 +96,7 @@ class ShmTransport(Transport):
     ):
         Transport.__init__(self, rank, world_size, timeout)
         self._rendezvous = Rendezvous(self, store, abandoned)
+        self._abandoned = abandoned
         self.config = config or ShmConfig.from_env()
         self.config.validate()
         self._fallback = fallback
@@ -181,7 +182,7 @@ class ShmTransport(Transport):
             ) from exc
         check = self._check
         segments = self._segments = Segments(maps, cfg)
-        waiter = self._waiter = Waiter(self, segments, socks, self._spin, check.check_peers)
+        waiter = self._waiter = Waiter(self, segments, socks, self._spin, check.check_peers, self._abandoned)
         self._fifos = Fifos(self, segments, cfg, waiter, check)
         pids = probe_single_copy(rendezvous, cfg.cma, deadline)
         self.cma = pids is not None

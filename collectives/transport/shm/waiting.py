@@ -40,7 +40,9 @@ reports both.
 The same sockets report a dead peer (EOF: the kernel closes them when a process dies, even by
 SIGKILL), and ``poll`` carries the group's deadline, so a stopped peer gives a
 :class:`~collectives.errors.CollectiveTimeoutError` and a dead one a
-:class:`~collectives.errors.CollectiveError`, both naming the operation and the peer.
+:class:`~collectives.errors.CollectiveError`, both naming the operation and the peer. A sleeping
+waiter also wakes every 100 ms to ask whether the wait was abandoned (the group broke: an
+elastic group's heartbeat fenced a stopped peer it could not kill), and then raises at once.
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ class Waiter:
         spin: :func:`spin_times`.
         check_peers: called after each wake-up that did not end a wait; raises when a peer runs
             another call or abandoned it (:meth:`.wirecheck.WireCheck.check_peers`).
+        abandoned: why to stop waiting before the deadline, or None; asked as often as
+            ``check_peers`` (e.g. the group broke: a heartbeat fenced a peer that could not be
+            killed, which would otherwise hold the wait until the deadline).
     """
 
     def __init__(
@@ -142,8 +147,10 @@ class Waiter:
         socks: dict[Peer, socket.socket],
         spin: tuple[float, float],
         check_peers: Callable[[], None],
+        abandoned: Callable[[], str | None] = lambda: None,
     ):
         self._transport = transport
+        self._abandoned = abandoned
         self.rank, self.world_size, self.timeout = transport.rank, transport.world_size, transport.timeout
         self._ctrl = segments.ctrl
         self._socks = socks
@@ -225,6 +232,13 @@ class Waiter:
             if ready():
                 return
             self._check_peers()
+            if (why := self._abandoned()) is not None:
+                op = self._transport.op
+                raise CollectiveError(
+                    f"{op}: {kind} rank {peer} abandoned: {why} (this is rank {self.rank} of {self.world_size})",
+                    op=op,
+                    peer=peer,
+                )
             dead = [q for q in ([peer] + list(peers())) if q in self._dead]
             if dead:
                 op = self._transport.op
