@@ -139,6 +139,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
     stale = True  # every generation starts by healing: replacements may join the first one too
     ddp: DistributedDataParallel | None = None
     before: list[torch.Tensor] | None = None  # buffers before the step in flight
+    seconds: list[float] = []  # of each committed step (ddp.bench_elastic)
     try:
         while True:
             try:
@@ -150,6 +151,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
                     break
                 if ddp is None:
                     ddp = DistributedDataParallel(model, group=eg.group, bucket_cap_mb=cfg.bucket_mb, init_sync=False)
+                begun = time.perf_counter()
                 x, y = cfg.job.batch(step, slot, cfg.world_size)
                 torch.manual_seed(cfg.seed * 1_000_003 + slot * 10_007 + step)
                 opt.zero_grad(set_to_none=True)
@@ -158,6 +160,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
                 before = None
                 opt.step()
                 step += 1
+                seconds.append(time.perf_counter() - begun)
                 if cfg.report_progress:
                     store.set(f"ringddp/ddp-elastic/progress/{slot}", f"{step}:{eg.generation}")
             except collectives.CollectiveError as exc:
@@ -180,7 +183,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
         collectives.all_gather(every, flat, group=eg.group)
         identical = all(torch.equal(every[0], f) for f in every)
         return {"slot": slot, "uid": eg.me.uid, "generation": eg.generation, "identical": identical,
-                "steps": step, "failed_steps": failed, "state": model.state_dict() if slot == 0 else None,
+                "steps": step, "failed_steps": failed, "step_seconds": seconds, "state": model.state_dict() if slot == 0 else None,
                 "optimizer": opt.state_dict() if slot == 0 else None}
     finally:
         if ddp is not None:

@@ -87,7 +87,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("ddp",),
     ("ddp.checkpoint", "ddp.elastic"),
     ("ddp.train", "ddp.bench"),
-    ("ddp.bench_checkpoint",),
+    ("ddp.bench_checkpoint", "ddp.bench_elastic"),
 ]
 
 
