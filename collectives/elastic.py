@@ -59,7 +59,7 @@ import os
 import signal
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -330,27 +330,42 @@ class ElasticGroup:
         log.info("generation %d of %s: members %s, this is rank %d", gen, self.name, [(m.slot, m.uid) for m in decided], rank)
         return self.group
 
+    def _until(self, attempt: Callable[[], bool], deadline: float, late: Callable[[], CollectiveTimeoutError]) -> None:
+        """Call ``attempt`` until it returns True, pausing 1 ms doubling to 50 ms between tries;
+        raise ``late()`` past ``deadline``, or :class:`FencedError` once this member is fenced."""
+        pause = 0.001
+        while not attempt():
+            if time.monotonic() >= deadline:
+                raise late()
+            self._check_fenced()
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
     def _decide(self, gen: int, allow_shrink: bool, deadline: float, wait: float) -> list[Member]:
         """Ask to join ``gen`` and wait for its membership (proposing it once the slots are filled)."""
         log_key = f"g{gen}/"
         index = int(self._store.add(log_key + "count", 1))
         self._store.set(f"{log_key}entry/{index}", f"{self.me.uid}:{self.me.slot}")
-        pause = 0.001
-        while not self._store.check([log_key + "members"]):
+        present: dict[int, Member] = {}
+
+        def decided() -> bool:
+            nonlocal present
+            if self._store.check([log_key + "members"]):
+                return True
             present = self._present(log_key)
             if len(present) == self.world_size or (time.monotonic() >= deadline and allow_shrink and present):
                 proposal = ",".join(f"{m.uid}:{m.slot}" for m in sorted(present.values()))
                 self._store.compare_set(log_key + "members", "", proposal)
-                break
-            if time.monotonic() >= deadline:
-                empty = sorted(set(range(self.world_size)) - set(present))
-                raise CollectiveTimeoutError(
-                    f"reform: generation {gen} of {self.name}: slots {empty} have no member: {timed_out(wait)}",
-                    op="reform",
-                )
-            self._check_fenced()
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+                return True
+            return False
+
+        def late() -> CollectiveTimeoutError:
+            empty = sorted(set(range(self.world_size)) - set(present))
+            return CollectiveTimeoutError(
+                f"reform: generation {gen} of {self.name}: slots {empty} have no member: {timed_out(wait)}", op="reform"
+            )
+
+        self._until(decided, deadline, late)
         stored = self._store.get(log_key + "members").decode()
         return [Member(int(s), int(u)) for u, s in (e.split(":") for e in stored.split(","))]
 
@@ -359,20 +374,24 @@ class ElasticGroup:
         False as soon as one of them is fenced (it died or stopped after the decision)."""
         self._store.set(f"{log_key}ready/{self.me.uid}", "1")
         keys = [f"{log_key}ready/{m.uid}" for m in decided]
-        pause = 0.001
-        while not self._store.check(keys):
-            if any(self._store.check([f"fenced/{m.uid}"]) for m in decided):
-                return False
-            if time.monotonic() >= deadline:
-                late = [m.slot for m in decided if not self._store.check([f"{log_key}ready/{m.uid}"])]
-                raise CollectiveTimeoutError(
-                    f"reform: generation {log_key[1:-1]} of {self.name}: slots {late} never got ready: {timed_out(wait)}",
-                    op="reform",
-                )
-            self._check_fenced()
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
-        return True
+        fenced = False
+
+        def over() -> bool:
+            nonlocal fenced
+            if self._store.check(keys):
+                return True
+            fenced = any(self._store.check([f"fenced/{m.uid}"]) for m in decided)
+            return fenced
+
+        def late() -> CollectiveTimeoutError:
+            missing = [m.slot for m in decided if not self._store.check([f"{log_key}ready/{m.uid}"])]
+            return CollectiveTimeoutError(
+                f"reform: generation {log_key[1:-1]} of {self.name}: slots {missing} never got ready: {timed_out(wait)}",
+                op="reform",
+            )
+
+        self._until(over, deadline, late)
+        return not fenced
 
     def _present(self, log_key: str) -> dict[int, Member]:
         """The members that asked to join, one per slot (the newest member of a slot), none fenced."""
