@@ -109,9 +109,13 @@ def measure(cfg: elastic.Config, rounds: int, warmup: int) -> dict[str, Any]:
                 per_rank = collectives.launch(plain_rank, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout)
                 plain.append(_pace(per_rank, warmup))
             else:
-                out = elastic.run(cfg)
-                if out.recoveries:
-                    raise RuntimeError(f"ddp.bench_elastic: a failure in a failure-free run: {out.events}")
+                for _ in range(3):  # a loaded machine can starve a healthy member past the bound
+                    out = elastic.run(cfg)
+                    if not out.recoveries:
+                        break
+                    log.warning("a member was replaced in a run without failures (%s): running it again", out.events)
+                else:
+                    raise RuntimeError(f"ddp.bench_elastic: 3 runs in a row lost a member: {out.events}; try a larger --heartbeat")
                 tolerant.append(_pace([out.reports[s]["step_seconds"] for s in range(cfg.world_size)], warmup))
             log.info("round %d %s: %.2f ms", r, kind, (plain if kind == "plain" else tolerant)[-1])
     return {
