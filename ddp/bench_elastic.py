@@ -11,7 +11,10 @@ failure: the members of an :class:`~collectives.ElasticGroup` (heartbeat thread,
 connection), the step's RNG reseeded, the buffers saved for a roll-back, and the same DDP. Both
 time every step from fetching the batch to the end of the optimizer step, on every rank; a step's
 time is the slowest rank's (the job's pace), and a run's is the median over its steps after
-``--warmup``. The overhead is the median over rounds of (fault-tolerant / plain - 1).
+``--warmup``. The overhead is the median over rounds of (fault-tolerant / plain - 1). On a
+machine shared with other work the wall times swing more than the overhead sought, so each step's
+CPU time is reported too (the rank's process, all threads: the heartbeat's included), with its
+overhead computed the same way.
 
 Jobs: ``digits`` is the main job (``python -m ddp.train``'s MLP on the digits, its batches);
 ``bench`` is ``ddp.bench``'s model (``--layers`` x ``--width`` Linear layers, 16.8 M parameters
@@ -78,36 +81,39 @@ class FirstSteps:
         return self.job.batch(step, slot, world_size)
 
 
-def plain_rank(rank: int, world_size: int, cfg: elastic.Config) -> list[float]:
-    """The plain loop on one rank: the seconds of each step."""
+def plain_rank(rank: int, world_size: int, cfg: elastic.Config) -> list[tuple[float, float]]:
+    """The plain loop on one rank: the wall and CPU seconds of each step."""
     model = cfg.job.model()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
     seconds = []
     for step in range(cfg.job.steps):
-        begun = time.perf_counter()
+        begun = time.perf_counter(), time.process_time()
         x, y = cfg.job.batch(step, rank, world_size)
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
-        seconds.append(time.perf_counter() - begun)
+        seconds.append((time.perf_counter() - begun[0], time.process_time() - begun[1]))
     ddp.remove_hooks()
     return seconds
 
 
-def _pace(per_rank: list[list[float]], warmup: int) -> float:
-    """Median over steps (after ``warmup``) of the slowest rank's step, in ms."""
-    return 1e3 * statistics.median(max(ts) for ts in list(zip(*per_rank))[warmup:])
+def _pace(per_rank: list[list[tuple[float, float]]], warmup: int) -> tuple[float, float]:
+    """Median over steps (after ``warmup``) of the slowest rank's step, and the mean CPU time of
+    a rank's step (its process: every thread, the heartbeat's included), in ms."""
+    steps = list(zip(*per_rank))[warmup:]
+    wall = statistics.median(max(w for w, _ in ranks) for ranks in steps)
+    cpu = statistics.mean(c for ranks in steps for _, c in ranks)
+    return 1e3 * wall, 1e3 * cpu
 
 
 def measure(cfg: elastic.Config, rounds: int, warmup: int) -> dict[str, Any]:
     """``rounds`` rounds of plain and fault-tolerant runs of ``cfg`` (module docstring)."""
-    plain, tolerant = [], []
+    runs: dict[str, list[tuple[float, float]]] = {"plain": [], "fault-tolerant": []}
     for r in range(rounds):
         for kind in ("plain", "fault-tolerant") if r % 2 == 0 else ("fault-tolerant", "plain"):
             if kind == "plain":
                 per_rank = collectives.launch(plain_rank, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout)
-                plain.append(_pace(per_rank, warmup))
             else:
                 for _ in range(3):  # a loaded machine can starve a healthy member past the bound
                     out = elastic.run(cfg)
@@ -116,13 +122,18 @@ def measure(cfg: elastic.Config, rounds: int, warmup: int) -> dict[str, Any]:
                     log.warning("a member was replaced in a run without failures (%s): running it again", out.events)
                 else:
                     raise RuntimeError(f"ddp.bench_elastic: 3 runs in a row lost a member: {out.events}; try a larger --heartbeat")
-                tolerant.append(_pace([out.reports[s]["step_seconds"] for s in range(cfg.world_size)], warmup))
-            log.info("round %d %s: %.2f ms", r, kind, (plain if kind == "plain" else tolerant)[-1])
+                per_rank = [out.reports[s]["step_seconds"] for s in range(cfg.world_size)]
+            runs[kind].append(_pace(per_rank, warmup))
+            log.info("round %d %s: step %.2f ms, CPU %.2f ms", r, kind, *runs[kind][-1])
+    plain, tolerant = runs["plain"], runs["fault-tolerant"]
     return {
-        "plain_ms": statistics.median(plain),
-        "fault_tolerant_ms": statistics.median(tolerant),
-        "overhead": statistics.median(t / p - 1 for p, t in zip(plain, tolerant)),
-        "rounds": {"plain_ms": plain, "fault_tolerant_ms": tolerant},
+        "plain_ms": statistics.median(w for w, _ in plain),
+        "fault_tolerant_ms": statistics.median(w for w, _ in tolerant),
+        "overhead": statistics.median(t[0] / p[0] - 1 for p, t in zip(plain, tolerant)),
+        "plain_cpu_ms": statistics.median(c for _, c in plain),
+        "fault_tolerant_cpu_ms": statistics.median(c for _, c in tolerant),
+        "cpu_overhead": statistics.median(t[1] / p[1] - 1 for p, t in zip(plain, tolerant)),
+        "rounds": runs,
     }
 
 
@@ -136,10 +147,12 @@ def job_config(name: str, world_size: int, a: argparse.Namespace) -> elastic.Con
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| job | ranks | plain step ms | fault-tolerant step ms | overhead |", "|---|---:|---:|---:|---:|"]
+    lines = ["| job | ranks | plain step ms | fault-tolerant step ms | overhead | plain CPU ms | fault-tolerant CPU ms | CPU overhead |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['job']} | {r['world_size']} | {r['plain_ms']:.2f} | {r['fault_tolerant_ms']:.2f} | "
-                     f"{100 * r['overhead']:+.1f} % |")
+                     f"{100 * r['overhead']:+.1f} % | {r['plain_cpu_ms']:.2f} | {r['fault_tolerant_cpu_ms']:.2f} | "
+                     f"{100 * r['cpu_overhead']:+.1f} % |")
     return "\n".join(lines)
 
 

@@ -139,7 +139,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
     stale = True  # every generation starts by healing: replacements may join the first one too
     ddp: DistributedDataParallel | None = None
     before: list[torch.Tensor] | None = None  # buffers before the step in flight
-    seconds: list[float] = []  # of each committed step (ddp.bench_elastic)
+    seconds: list[tuple[float, float]] = []  # wall and CPU time of each committed step (ddp.bench_elastic)
     try:
         while True:
             try:
@@ -151,7 +151,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
                     break
                 if ddp is None:
                     ddp = DistributedDataParallel(model, group=eg.group, bucket_cap_mb=cfg.bucket_mb, init_sync=False)
-                begun = time.perf_counter()
+                begun = time.perf_counter(), time.process_time()
                 x, y = cfg.job.batch(step, slot, cfg.world_size)
                 torch.manual_seed(cfg.seed * 1_000_003 + slot * 10_007 + step)
                 opt.zero_grad(set_to_none=True)
@@ -160,7 +160,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
                 before = None
                 opt.step()
                 step += 1
-                seconds.append(time.perf_counter() - begun)
+                seconds.append((time.perf_counter() - begun[0], time.process_time() - begun[1]))
                 if cfg.report_progress:
                     store.set(f"ringddp/ddp-elastic/progress/{slot}", f"{step}:{eg.generation}")
             except collectives.CollectiveError as exc:
