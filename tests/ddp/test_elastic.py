@@ -71,3 +71,53 @@ def _wait_for(path, pattern: str, parse, timeout: float = 120.0):
             return parse(text)
         time.sleep(0.05)
     raise AssertionError(f"no {pattern!r} in {timeout}s:\n{path.read_text()[-3000:]}")
+
+
+def _params_equal(a: dict, b: dict) -> bool:
+    """Parameters and optimizer state of two reports of :func:`ddp.elastic.run` bitwise equal."""
+    return _same({"model": a["state"], "optimizer": a["optimizer"]}, {"model": b["state"], "optimizer": b["optimizer"]})
+
+
+@pytest.mark.timeout(300)
+def test_killed_member_is_replaced_by_a_warm_spare():
+    """With one warm spare, the killed member's slot goes to the spare (which built its model and
+    connected beforehand), and the run ends bitwise where the run without failures ends."""
+    job = elastic.SyntheticJob(steps=40)
+    ref = elastic.run(elastic.Config(job=job, world_size=2, heartbeat=5.0))
+    out = elastic.run(elastic.Config(job=job, world_size=2, heartbeat=5.0, spares=1, report_progress=True),
+                      [(10, 1, signal.SIGKILL)])
+    assert out.recoveries == 1 and len(out.recovery_seconds) == 1, out.events
+    assert out.reports[1]["spare"] and not out.reports[0]["spare"], out.events  # the spare took slot 1
+    assert _params_equal(ref.reports[0], out.reports[0])
+
+
+@pytest.mark.timeout(300)
+def test_shrink_visits_every_row_once_and_replays_bitwise_from_its_schedule():
+    """Shrink mode without replacements: slot 1 is killed, slots 0 and 2 go on as a world of 2,
+    sharing the rest of the epoch: every row is trained on once per epoch (the only repeats are
+    the sampler's padding of the last step), and a run without failures that applies the same
+    membership schedule ends bitwise equal."""
+    from data import DistributedSampler
+    from ddp.train import DigitsJob
+
+    job = DigitsJob(epochs=1, world_size=3, batch_size=16, hidden=32, seed=0)
+    cfg = elastic.Config(job=job, world_size=3, heartbeat=5.0, shrink=True, max_respawns=0, respawn_wait=0.5,
+                         report_progress=True)
+    out = elastic.run(cfg, [(6, 1, signal.SIGKILL)])
+    assert sorted(out.reports) == [0, 2], out.events
+    history = out.reports[0]["history"]
+    assert len(history) == 2 and history[0] == (0, (0, 1, 2)) and history[1][1] == (0, 2), history
+    # walk the epoch as the schedule says; the run must have ended where this walk does
+    seen, start, step, rows = [], 0, 0, job.rows()
+    while start < rows:
+        slots = [k for s, k in history if s <= step][-1]
+        for rank in range(len(slots)):
+            sampler = DistributedSampler(range(rows), num_replicas=len(slots), rank=rank, seed=0)
+            sampler.set_epoch(0, start=start)
+            seen += sampler.indices()[:16].tolist()
+        start, step = start + 16 * len(slots), step + 1
+    assert out.reports[0]["steps"] == step
+    assert sorted(set(seen)) == list(range(rows)) and len(seen) - rows < len(history[-1][1])  # padding only
+    ref = elastic.run(elastic.Config(job=job, world_size=3, heartbeat=5.0, shrink=True, schedule=tuple(history)))
+    assert ref.reports[1]["left_at"] == history[1][0] and ref.reports[0]["history"] == history
+    assert _params_equal(ref.reports[0], out.reports[0])
