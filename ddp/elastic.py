@@ -48,6 +48,8 @@ from torch import nn
 import collectives
 from collectives.launch import configure_logging, is_stopped, set_parent_death_signal
 
+from data import DistributedSampler
+
 from .distributed import DistributedDataParallel
 
 log = logging.getLogger(__name__)
@@ -84,23 +86,39 @@ class EpochJob(Job, Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticJob:
-    """A small MLP with dropout on random features (the RNG matters): the tests' job."""
+    """A small MLP with dropout on random features (the RNG matters): the tests' job. As an
+    :class:`EpochJob` (shrink mode) it trains ``epochs`` epochs over ``size`` fixed random rows."""
 
     steps: int = 100
     batch_size: int = 16
     features: int = 32
     hidden: int = 64
     seed: int = 0
+    epochs: int = 1
+    size: int = 500
 
     def model(self) -> nn.Module:
         torch.manual_seed(self.seed)
         return nn.Sequential(nn.Linear(self.features, self.hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(self.hidden, 4))
 
     def batch(self, step: int, slot: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        x = torch.randn(world_size * self.batch_size, self.features, generator=g)
-        y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
+        x, y = self._draw(step, world_size * self.batch_size)
         rows = slice(slot * self.batch_size, (slot + 1) * self.batch_size)
+        return x[rows], y[rows]
+
+    def _draw(self, key: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
+        x = torch.randn(n, self.features, generator=g)
+        return x, (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
+
+    def rows(self) -> int:
+        return self.size
+
+    def batch_at(self, epoch: int, start: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._draw(-1, self.size)  # the data set (no step draws key -1)
+        sampler = DistributedSampler(range(self.size), num_replicas=world_size, rank=rank, seed=self.seed)
+        sampler.set_epoch(epoch, start=start)
+        rows = sampler.indices()[: self.batch_size]
         return x[rows], y[rows]
 
 
@@ -194,6 +212,8 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
     ready_made = ready is not None
     ready = ready or prepare(cfg, port)
     store, model, opt = ready.store, ready.model, ready.opt
+    if cfg.spares and not replacement:  # the run starts once its spares are ready
+        store.wait([_GO])
     eg = collectives.ElasticGroup(store, slot, cfg.world_size, backend=cfg.backend, timeout=cfg.timeout,
                                   heartbeat=cfg.heartbeat)
     step, failed = (-1 if replacement else 0), 0
@@ -271,6 +291,9 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
         if ddp is not None:
             ddp.remove_hooks()
         eg.close()
+
+
+_GO = "ringddp/ddp-elastic/go"  # set by the launcher when the first spares are ready
 
 
 def _record(extra: dict[str, Any], step: int, eg: collectives.ElasticGroup) -> None:
@@ -381,7 +404,8 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
             spares.sort(key=lambda s: s[0].pid not in warm)  # stable: the oldest ready spare first
             p, conn = procs[slot] = spares.pop(0)
             conn.send_bytes(pickle.dumps(slot))
-            owed.append(time.monotonic() + 10.0)
+            if cfg.max_respawns is None or recoveries < cfg.max_respawns:  # else no spare could be used
+                owed.append(time.monotonic() + 10.0)
             log.info("slot %d: pid %d (%s spare)", slot, p.pid, "warm" if p.pid in warm else "unready")
             return
         procs[slot] = spawn(slot, replacement)
@@ -392,7 +416,7 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
         log.info("spare: pid %d", spares[-1][0].pid)
 
     t0, deadline = time.monotonic(), time.monotonic() + join_timeout
-    recoveries = 0
+    recoveries, started = 0, False
     for slot in range(cfg.world_size):
         start(slot, False)
     for _ in range(cfg.spares):
@@ -412,11 +436,14 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                     recovery.append(time.monotonic() - sent)
                     del waiting[i]
                     break
+            if not started and (all(p.pid in warm for p, _ in spares) or time.monotonic() - t0 > cfg.timeout):
+                store.set(_GO, "1")
+                started = True
             while owed and owed[0] <= time.monotonic():
                 owed.pop(0)
                 add_spare()
             fired = None  # signals of one step go together; a later step's wait for the recovery
-            calm = not waiting and not owed and all(p.pid in warm for p, _ in spares)
+            calm = not waiting and not owed and all(p.pid in warm for p, _ in spares)  # spares: ready again
             while pending and done >= pending[0][0] and (calm or pending[0][0] == fired):
                 at, slot, sig = pending.pop(0)
                 fired = at
