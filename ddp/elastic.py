@@ -406,10 +406,14 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
             conn.send_bytes(pickle.dumps(slot))
             if cfg.max_respawns is None or recoveries < cfg.max_respawns:  # else no spare could be used
                 owed.append(time.monotonic() + 10.0)
+            events.append(f"{time.monotonic() - t0:.2f}s: slot {slot}: pid {p.pid} "
+                          f"({'warm' if p.pid in warm else 'unready'} spare) takes it")
             log.info("slot %d: pid %d (%s spare)", slot, p.pid, "warm" if p.pid in warm else "unready")
             return
         procs[slot] = spawn(slot, replacement)
         log.info("slot %d: pid %d%s", slot, procs[slot][0].pid, " (replacement)" if replacement else "")
+        if replacement:
+            events.append(f"{time.monotonic() - t0:.2f}s: slot {slot}: new process pid {procs[slot][0].pid} takes it")
 
     def add_spare() -> None:
         spares.append(spawn(None, True))
@@ -504,7 +508,7 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                     continue
                 p.join(5)
                 events.append(f"{time.monotonic() - t0:.2f}s: slot {slot} (pid {p.pid}) {status}, exit {p.exitcode}"
-                              + (f": {value}" if value else "") + "; replacing it")
+                              + (f": {value}" if value else ""))
                 log.warning(events[-1])
                 start(slot, True)
     finally:
