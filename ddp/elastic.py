@@ -19,9 +19,27 @@ broadcasts parameters, buffers, optimizer state and the step number, bit for bit
 (who lost the step's all-reduce) thus roll forward; nobody rolls back, and no vote per step is
 needed: the failure-free overhead is nil beyond the heartbeat thread.
 
+**Warm spares** (``Config.spares``). A spare is a process started with the members that has
+imported everything, connected to the store, built the model and run one forward and backward
+(:func:`prepare`), and waits on its pipe. When a member dies the launcher sends its slot to a
+spare, which joins the generation the survivors are forming and heals like any replacement: the
+recovery skips the imports (seconds) and costs what is left: re-forming, the new group's set-up,
+healing, the redone step. A new spare starts once the one that took the slot committed a step.
+
+**Shrink mode** (``Config.shrink``, an :class:`EpochJob`). After ``max_respawns`` replacements a
+lost slot stays empty; the survivors wait ``respawn_wait`` and form a smaller generation. The
+healed state then also carries a data cursor ``(epoch, rows consumed)``: each step, rank ``r``
+of ``N`` takes its first ``batch_size`` rows of the sampler started at the cursor, which moves by
+``batch_size * N``, so every row of an epoch is trained on once whatever ``N`` was. The global
+batch shrinks with ``N`` and DDP averages over ``N`` (same learning rate), so the result differs
+from the full world's; it is a function of the membership history ``[(step, slots), ...]``
+carried and reported with it, and ``Config(schedule=history)`` replays it bitwise without
+failures (members outside a step's slots close, the others re-form without them).
+
 **Limits.** Our bucketed DDP only (ZeRO-1/2 shards would need a replica of each optimizer
-shard), no shrink mode and no warm spares yet, and a member's own state outside the model and
-optimizer must be a function of the step (as the sampler position and RNG are here). Buffers
+shard), a shrunk world does not grow back, and a member's own state outside the model and
+optimizer must be a function of the step or carried in the healed state (as the sampler
+position and RNG are here). Buffers
 (BatchNorm's running statistics): a lost attempt's updates are rolled back, and healing copies
 the most advanced member's. DDP broadcasts rank 0's at each forward, so they are the failure-free
 ones unless slot 0 lost a step that another member completed: then they come from that member
@@ -447,8 +465,8 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                 owed.pop(0)
                 add_spare()
             fired = None  # signals of one step go together; a later step's wait for the recovery
-            calm = not waiting and not owed and all(p.pid in warm for p, _ in spares)  # spares: ready again
-            while pending and done >= pending[0][0] and (calm or pending[0][0] == fired):
+            spares_ready = not owed and all(p.pid in warm for p, _ in spares)
+            while pending and done >= pending[0][0] and (not waiting and spares_ready or pending[0][0] == fired):
                 at, slot, sig = pending.pop(0)
                 fired = at
                 p = procs[slot][0]
