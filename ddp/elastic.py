@@ -232,8 +232,10 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
     store, model, opt = ready.store, ready.model, ready.opt
     if cfg.spares and not replacement:  # the run starts once its spares are ready
         store.wait([_GO])
+    joining = time.monotonic()
     eg = collectives.ElasticGroup(store, slot, cfg.world_size, backend=cfg.backend, timeout=cfg.timeout,
                                   heartbeat=cfg.heartbeat)
+    log.info("joined generation %d in %.3fs", eg.generation, time.monotonic() - joining)
     step, failed = (-1 if replacement else 0), 0
     extra: dict[str, Any] | None = {"cursor": (0, 0), "history": []} if cfg.shrink else None
     schedule = dict(cfg.schedule)
@@ -244,9 +246,10 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
         while True:
             try:
                 if stale:
+                    healing = time.monotonic()
                     step = heal(eg.group, model, opt, step, extra)
                     stale = False
-                    log.info("generation %d: healed to step %d", eg.generation, step)
+                    log.info("generation %d: healed to step %d in %.3fs", eg.generation, step, time.monotonic() - healing)
                     if extra is not None:
                         _record(extra, step, eg)
                 if extra is None and step >= cfg.job.steps or extra is not None and extra["cursor"][0] >= cfg.job.epochs:
@@ -333,6 +336,8 @@ def _child(cfg: Config, port: int, slot: int | None, replacement: bool, conn) ->
     """A member's process; ``slot=None``: a warm spare, which prepares, says ``ready`` and waits
     for the launcher to send it a slot."""
     set_parent_death_signal()
+    if not mp.parent_process().is_alive():  # the launcher died while this process was importing
+        os._exit(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     send = lambda *report: conn.send_bytes(pickle.dumps(report))  # noqa: E731 - by value, not torch's fd sharing
     ready = None

@@ -64,6 +64,7 @@ def main() -> int:
     if r:
         p99 = r[min(len(r) - 1, round(0.99 * (len(r) - 1)))]
         print(f"recovery over {len(r)} signals: p50 {statistics.median(r):.2f}s, p99 {p99:.2f}s, max {r[-1]:.2f}s")
+        print("recovery seconds:", " ".join(f"{x:.3f}" for x in r))
     if reference is None:
         print(f"{a.steps} steps, {a.world_size} members, {a.spares} spares: {chaotic:.1f}s with {sent} of {len(chaos)} "
               f"signals sent ({out.recoveries} members replaced)")
