@@ -252,7 +252,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
                     log.info("generation %d: healed to step %d in %.3fs", eg.generation, step, time.monotonic() - healing)
                     if extra is not None:
                         _record(extra, step, eg)
-                if extra is None and step >= cfg.job.steps or extra is not None and extra["cursor"][0] >= cfg.job.epochs:
+                if (extra["cursor"][0] >= cfg.job.epochs) if extra is not None else (step >= cfg.job.steps):
                     break
                 if schedule.get(step, kept := tuple(m.slot for m in eg.members)) != kept:
                     if slot not in schedule[step]:
