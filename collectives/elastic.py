@@ -287,7 +287,9 @@ class ElasticGroup:
 
         Waits up to ``wait`` seconds (default: the timeout) for every slot to have a member. If
         some are still empty then: with ``allow_shrink`` the generation forms with the slots
-        present; otherwise :class:`~collectives.errors.CollectiveTimeoutError` names the empty
+        present, once every member of the last generation that is neither fenced nor left (its
+        :meth:`close`) is among them (``wait=0``: shrink by the members that closed, without
+        waiting for replacements); otherwise :class:`~collectives.errors.CollectiveTimeoutError` names the empty
         slots. Raises :class:`FencedError` if this member was fenced or left out.
         """
         if self.group is not None:
@@ -353,7 +355,7 @@ class ElasticGroup:
             if self._store.check([log_key + "members"]):
                 return True
             present = self._present(log_key)
-            if len(present) == self.world_size or (time.monotonic() >= deadline and allow_shrink and present):
+            if len(present) == self.world_size or (allow_shrink and present and self._may_shrink(present, deadline)):
                 proposal = ",".join(f"{m.uid}:{m.slot}" for m in sorted(present.values()))
                 self._store.compare_set(log_key + "members", "", proposal)
                 return True
@@ -365,9 +367,20 @@ class ElasticGroup:
                 f"reform: generation {gen} of {self.name}: slots {empty} have no member: {timed_out(wait)}", op="reform"
             )
 
-        self._until(decided, deadline, late)
+        self._until(decided, deadline + (self.timeout + 1 if allow_shrink else 0), late)  # shrinking: _may_shrink
         stored = self._store.get(log_key + "members").decode()
         return [Member(int(s), int(u)) for u, s in (e.split(":") for e in stored.split(","))]
+
+    def _may_shrink(self, present: dict[int, Member], deadline: float) -> bool:
+        """Form with the slots present? Once the wait for replacements is over, and every member of
+        the last generation that neither was fenced nor left is among them (a survivor slower to
+        see the failure is waited for, not left out), or at the latest ``timeout`` after the wait."""
+        now = time.monotonic()
+        if now < deadline:
+            return False
+        away = [m for m in self.members if m.slot not in present]
+        return now >= deadline + self.timeout or all(
+            self._store.check([f"fenced/{m.uid}"]) or self._store.check([f"left/{m.uid}"]) for m in away)
 
     def _all_ready(self, log_key: str, decided: list[Member], deadline: float, wait: float) -> bool:
         """Say this member is ready for the generation and wait for the others: True when all are,

@@ -19,9 +19,27 @@ broadcasts parameters, buffers, optimizer state and the step number, bit for bit
 (who lost the step's all-reduce) thus roll forward; nobody rolls back, and no vote per step is
 needed: the failure-free overhead is nil beyond the heartbeat thread.
 
+**Warm spares** (``Config.spares``). A spare is a process started with the members that has
+imported everything, connected to the store, built the model and run one forward and backward
+(:func:`prepare`), and waits on its pipe. When a member dies the launcher sends its slot to a
+spare, which joins the generation the survivors are forming and heals like any replacement: the
+recovery skips the imports (seconds) and costs what is left: re-forming, the new group's set-up,
+healing, the redone step. A new spare starts once the one that took the slot committed a step.
+
+**Shrink mode** (``Config.shrink``, an :class:`EpochJob`). After ``max_respawns`` replacements a
+lost slot stays empty; the survivors wait ``respawn_wait`` and form a smaller generation. The
+healed state then also carries a data cursor ``(epoch, rows consumed)``: each step, rank ``r``
+of ``N`` takes its first ``batch_size`` rows of the sampler started at the cursor, which moves by
+``batch_size * N``, so every row of an epoch is trained on once whatever ``N`` was. The global
+batch shrinks with ``N`` and DDP averages over ``N`` (same learning rate), so the result differs
+from the full world's; it is a function of the membership history ``[(step, slots), ...]``
+carried and reported with it, and ``Config(schedule=history)`` replays it bitwise without
+failures (members outside a step's slots close, the others re-form without them).
+
 **Limits.** Our bucketed DDP only (ZeRO-1/2 shards would need a replica of each optimizer
-shard), no shrink mode and no warm spares yet, and a member's own state outside the model and
-optimizer must be a function of the step (as the sampler position and RNG are here). Buffers
+shard), a shrunk world does not grow back, and a member's own state outside the model and
+optimizer must be a function of the step or carried in the healed state (as the sampler
+position and RNG are here). Buffers
 (BatchNorm's running statistics): a lost attempt's updates are rolled back, and healing copies
 the most advanced member's. DDP broadcasts rank 0's at each forward, so they are the failure-free
 ones unless slot 0 lost a step that another member completed: then they come from that member
@@ -39,7 +57,7 @@ import os
 import pickle
 import signal
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +65,8 @@ from torch import nn
 
 import collectives
 from collectives.launch import configure_logging, is_stopped, set_parent_death_signal
+
+from data import DistributedSampler
 
 from .distributed import DistributedDataParallel
 
@@ -66,25 +86,57 @@ class Job(Protocol):
         """Slot ``slot``'s inputs and targets at step ``step``."""
 
 
+class EpochJob(Job, Protocol):
+    """A job whose steps walk epochs of a data set through our :class:`data.DistributedSampler`:
+    what shrink mode needs (``Config.shrink``), since a step's rows then depend on how many
+    members shared the epoch so far, not on the step alone."""
+
+    epochs: int
+    batch_size: int
+
+    def rows(self) -> int:
+        """The rows of one epoch (the data set's length)."""
+
+    def batch_at(self, epoch: int, start: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank`` of ``world_size``'s next batch: the first ``batch_size`` of its indices
+        after ``sampler.set_epoch(epoch, start=start)``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticJob:
-    """A small MLP with dropout on random features (the RNG matters): the tests' job."""
+    """A small MLP with dropout on random features (the RNG matters): the tests' job. As an
+    :class:`EpochJob` (shrink mode) it trains ``epochs`` epochs over ``size`` fixed random rows."""
 
     steps: int = 100
     batch_size: int = 16
     features: int = 32
     hidden: int = 64
     seed: int = 0
+    epochs: int = 1
+    size: int = 500
 
     def model(self) -> nn.Module:
         torch.manual_seed(self.seed)
         return nn.Sequential(nn.Linear(self.features, self.hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(self.hidden, 4))
 
     def batch(self, step: int, slot: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        x = torch.randn(world_size * self.batch_size, self.features, generator=g)
-        y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
+        x, y = self._draw(step, world_size * self.batch_size)
         rows = slice(slot * self.batch_size, (slot + 1) * self.batch_size)
+        return x[rows], y[rows]
+
+    def _draw(self, key: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
+        x = torch.randn(n, self.features, generator=g)
+        return x, (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
+
+    def rows(self) -> int:
+        return self.size
+
+    def batch_at(self, epoch: int, start: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._draw(-1, self.size)  # the data set (no step draws key -1)
+        sampler = DistributedSampler(range(self.size), num_replicas=world_size, rank=rank, seed=self.seed)
+        sampler.set_epoch(epoch, start=start)
+        rows = sampler.indices()[: self.batch_size]
         return x[rows], y[rows]
 
 
@@ -101,6 +153,21 @@ class Config:
     heartbeat: float = 2.0
     timeout: float = 60.0
     respawn_wait: float = 60.0  # seconds survivors wait for a replacement
+    spares: int = 0  # warm spares kept ready to take a lost slot
+    max_respawns: int | None = None  # replacements (spares or new processes) over the run; None: no limit
+    shrink: bool = False  # no replacement within respawn_wait: go on with fewer members (an EpochJob)
+    schedule: tuple[tuple[int, tuple[int, ...]], ...] = ()  # shrink: (step, slots) changes to apply, no failures
+
+    def __post_init__(self) -> None:
+        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
+            raise ValueError(f"ddp.elastic.Config: spares must be an int >= 0, got {self.spares!r}")
+        if self.max_respawns is not None and (not isinstance(self.max_respawns, int) or self.max_respawns < 0):
+            raise ValueError(f"ddp.elastic.Config: max_respawns must be None or an int >= 0, got {self.max_respawns!r}")
+        if (self.shrink or self.schedule) and not all(hasattr(self.job, a) for a in ("epochs", "rows", "batch_at")):
+            raise ValueError(f"ddp.elastic.Config: shrink mode needs an EpochJob (epochs, rows, batch_at), not "
+                             f"{type(self.job).__name__}")
+        if self.schedule and not self.shrink:
+            raise ValueError("ddp.elastic.Config: a membership schedule replays a shrink run: set shrink=True too")
     report_progress: bool = False  # publish each committed step (for chaos at given steps)
 
 
@@ -108,8 +175,10 @@ class StateLostError(RuntimeError):
     """No live member holds the training state any more: the run cannot go on where it was."""
 
 
-def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> int:
-    """Make every member's state that of the most advanced member; returns the common step."""
+def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer, step: int,
+         extra: dict[str, Any] | None = None) -> int:
+    """Make every member's state that of the most advanced member; returns the common step.
+    ``extra``: more picklable state (shrink mode's data cursor), updated in place likewise."""
     steps = torch.zeros(group.size(), dtype=torch.int64)
     collectives.all_gather_into_tensor(steps, torch.tensor([step]), group=group)
     ahead = int(steps.max())
@@ -120,22 +189,56 @@ def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer,
             "from a checkpoint)"
         )
     src = group.ranks[int((steps == ahead).nonzero()[0])]
-    state = [{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}]
+    state = [{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "extra": extra}]
     collectives.broadcast_object_list(state, src=src, group=group)
     if group.rank() != src:
         model.load_state_dict(state[0]["model"])
         opt.load_state_dict(state[0]["optimizer"])
+        if extra is not None:
+            extra.update(state[0]["extra"])
     return ahead
 
 
-def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, Any]:
-    """One member's life: join, train (re-forming and healing after failures), report."""
+@dataclasses.dataclass
+class Prepared:
+    """What a member builds before it needs its slot: a warm spare builds it ahead of time."""
+
+    store: dist.TCPStore
+    model: nn.Module
+    opt: torch.optim.Optimizer
+
+
+def prepare(cfg: Config, port: int, warm_up: bool = False) -> Prepared:
+    """Connect to the store and build the model and optimizer. ``warm_up`` (a spare): also load
+    a batch and run a forward and backward pass once, so the first step after taking a slot finds
+    the data loaded and autograd's kernels ready (healing overwrites the buffers it touched)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout * 2))
-    eg = collectives.ElasticGroup(store, slot, cfg.world_size, backend=cfg.backend, timeout=cfg.timeout,
-                                  heartbeat=cfg.heartbeat)
     model = cfg.job.model()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    if warm_up:
+        x, y = cfg.job.batch(0, 0, cfg.world_size)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.zero_grad(set_to_none=True)
+    return Prepared(store, model, opt)
+
+
+def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared | None = None,
+           on_commit: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One member's life: join, train (re-forming and healing after failures), report. ``ready``:
+    what :func:`prepare` built (a warm spare's), else built here; ``on_commit``: called once,
+    after this member's first committed step."""
+    ready_made = ready is not None
+    ready = ready or prepare(cfg, port)
+    store, model, opt = ready.store, ready.model, ready.opt
+    if cfg.spares and not replacement:  # the run starts once its spares are ready
+        store.wait([_GO])
+    joining = time.monotonic()
+    eg = collectives.ElasticGroup(store, slot, cfg.world_size, backend=cfg.backend, timeout=cfg.timeout,
+                                  heartbeat=cfg.heartbeat)
+    log.info("joined generation %d in %.3fs", eg.generation, time.monotonic() - joining)
     step, failed = (-1 if replacement else 0), 0
+    extra: dict[str, Any] | None = {"cursor": (0, 0), "history": []} if cfg.shrink else None
+    schedule = dict(cfg.schedule)
     stale = True  # every generation starts by healing: replacements may join the first one too
     ddp: DistributedDataParallel | None = None
     before: list[torch.Tensor] | None = None  # buffers before the step in flight
@@ -144,15 +247,31 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
         while True:
             try:
                 if stale:
-                    step = heal(eg.group, model, opt, step)
+                    healing = time.monotonic()
+                    step = heal(eg.group, model, opt, step, extra)
                     stale = False
-                    log.info("generation %d: healed to step %d", eg.generation, step)
-                if step >= cfg.job.steps:
+                    log.info("generation %d: healed to step %d in %.3fs", eg.generation, step, time.monotonic() - healing)
+                    if extra is not None:
+                        _record(extra, step, eg)
+                if (extra["cursor"][0] >= cfg.job.epochs) if extra is not None else (step >= cfg.job.steps):
                     break
+                if schedule.get(step, kept := tuple(m.slot for m in eg.members)) != kept:
+                    if slot not in schedule[step]:
+                        log.info("step %d: leaving, as the schedule says", step)
+                        return {"slot": slot, "uid": eg.me.uid, "left_at": step, "identical": True}
+                    eg.reform(allow_shrink=True, wait=0)  # without the members the schedule drops
+                    if ddp is not None:
+                        ddp.remove_hooks()
+                        ddp = None
+                    stale = True
+                    continue
                 if ddp is None:
                     ddp = DistributedDataParallel(model, group=eg.group, bucket_cap_mb=cfg.bucket_mb, init_sync=False)
                 begun = time.perf_counter(), time.process_time()
-                x, y = cfg.job.batch(step, slot, cfg.world_size)
+                if extra is None:
+                    x, y = cfg.job.batch(step, slot, cfg.world_size)
+                else:  # shrink mode: the epoch's rows not consumed yet, shared by this generation's members
+                    x, y = cfg.job.batch_at(*extra["cursor"], eg.rank(), eg.size())
                 torch.manual_seed(cfg.seed * 1_000_003 + slot * 10_007 + step)
                 opt.zero_grad(set_to_none=True)
                 before = [b.detach().clone() for b in model.buffers()]  # the attempt's forward updates them
@@ -161,6 +280,11 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
                 opt.step()
                 step += 1
                 seconds.append((time.perf_counter() - begun[0], time.process_time() - begun[1]))
+                if on_commit is not None:
+                    on_commit()
+                    on_commit = None
+                if extra is not None:
+                    extra["cursor"] = _advance(extra["cursor"], cfg.job.batch_size * eg.size(), cfg.job.rows())
                 if cfg.report_progress:
                     store.set(f"ringddp/ddp-elastic/progress/{slot}", f"{step}:{eg.generation}")
             except collectives.CollectiveError as exc:
@@ -175,29 +299,58 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
                     ddp = None
                 started = time.monotonic()
                 failed += 1
-                eg.reform(wait=cfg.respawn_wait)
+                eg.reform(allow_shrink=cfg.shrink, wait=cfg.respawn_wait)
                 stale = True
                 log.info("generation %d formed in %.2fs", eg.generation, time.monotonic() - started)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         every = [torch.empty_like(flat) for _ in range(eg.size())]
         collectives.all_gather(every, flat, group=eg.group)
         identical = all(torch.equal(every[0], f) for f in every)
+        first = eg.rank() == 0  # slot 0, unless shrink mode dropped it
         return {"slot": slot, "uid": eg.me.uid, "generation": eg.generation, "identical": identical,
-                "steps": step, "failed_steps": failed, "step_seconds": seconds, "state": model.state_dict() if slot == 0 else None,
-                "optimizer": opt.state_dict() if slot == 0 else None}
+                "steps": step, "failed_steps": failed, "step_seconds": seconds, "state": model.state_dict() if first else None,
+                "optimizer": opt.state_dict() if first else None, "spare": ready_made,
+                "history": extra["history"] if extra is not None else None}
     finally:
         if ddp is not None:
             ddp.remove_hooks()
         eg.close()
 
 
-def _child(cfg: Config, port: int, slot: int, replacement: bool, conn) -> None:
+_GO = "ringddp/ddp-elastic/go"  # set by the launcher when the first spares are ready
+
+
+def _record(extra: dict[str, Any], step: int, eg: collectives.ElasticGroup) -> None:
+    """Shrink mode: note the generation's slots from ``step`` on in the membership history (a
+    generation that committed nothing is overwritten by the next one)."""
+    slots = tuple(m.slot for m in eg.members)
+    history = [(s, kept) for s, kept in extra["history"] if s < step]
+    extra["history"] = history if history and history[-1][1] == slots else history + [(step, slots)]
+
+
+def _advance(cursor: tuple[int, int], taken: int, rows: int) -> tuple[int, int]:
+    """The data cursor ``(epoch, rows consumed)`` after a step took ``taken`` rows (the epoch's
+    last step takes the rest, padded: the next epoch begins)."""
+    epoch, start = cursor
+    return (epoch + 1, 0) if start + taken >= rows else (epoch, start + taken)
+
+
+def _child(cfg: Config, port: int, slot: int | None, replacement: bool, conn) -> None:
+    """A member's process; ``slot=None``: a warm spare, which prepares, says ``ready`` and waits
+    for the launcher to send it a slot."""
     set_parent_death_signal()
+    if not mp.parent_process().is_alive():  # the launcher died while this process was importing
+        os._exit(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    configure_logging(slot)
     send = lambda *report: conn.send_bytes(pickle.dumps(report))  # noqa: E731 - by value, not torch's fd sharing
+    ready = None
     try:
-        send("ok", member(cfg, port, slot, replacement))
+        if slot is None:
+            ready = prepare(cfg, port, warm_up=True)
+            send("ready", None)
+            slot = pickle.loads(conn.recv_bytes())
+        configure_logging(slot)
+        send("ok", member(cfg, port, slot, replacement, ready, on_commit=(lambda: send("joined", None)) if ready else None))
     except collectives.FencedError as exc:
         send("fenced", str(exc))
         os._exit(3)
@@ -228,40 +381,83 @@ def progress(store: dist.Store, world_size: int) -> tuple[int, int]:
 
 
 def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float = 600.0) -> Outcome:
-    """Launch ``cfg.world_size`` members on 127.0.0.1, replace every one that dies (or stays
-    stopped for the heartbeat bound), and return when every slot has reported. ``chaos``:
-    ``(step, slot, signal)``: once a member has committed ``step`` steps, send ``signal`` to the
-    slot's process of that moment, from here (outside the member), wherever it is in its step
-    (needs ``cfg.report_progress``). Signals of one step are sent together; those of a later step
-    wait until the group recovered from the earlier ones (a starved launcher would otherwise send
-    them all at once)."""
+    """Launch ``cfg.world_size`` members on 127.0.0.1 (and ``cfg.spares`` warm spares), replace
+    every one that dies (or stays stopped for the heartbeat bound), and return when every slot
+    has reported or, in shrink mode, was given up. ``chaos``: ``(step, slot, signal)``: once a
+    member has committed ``step`` steps, send ``signal`` to the slot's process of that moment,
+    from here (outside the member), wherever it is in its step (needs ``cfg.report_progress``).
+    Signals of one step are sent together; those of a later step wait until the group recovered
+    from the earlier ones (a starved launcher would otherwise send them all at once) and the
+    spares are ready again.
+
+    A lost slot goes to the oldest spare (a ready one first), else to a new process; after
+    ``cfg.max_respawns`` replacements it stays empty: the survivors shrink (``cfg.shrink``) or
+    the run fails. A spare that took a slot is itself replaced by a new spare once it committed
+    a step (or 10 s later), so that the new one's imports do not slow the recovery down."""
     if chaos and not cfg.report_progress:
         raise ValueError("ddp.elastic.run: chaos at given steps needs Config(report_progress=True)")
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.timeout * 2))
     ctx = mp.get_context("spawn")
     procs: dict[int, tuple[mp.Process, Any]] = {}
+    spares: list[tuple[mp.Process, Any]] = []  # oldest first
+    warm: set[int] = set()  # pids of spares that said they are ready
+    owed: list[float] = []  # when to start a spare at the latest (one per spare that took a slot)
+    vacant: set[int] = set()  # slots given up (shrink mode)
     events: list[str] = []
 
-    def start(slot: int, replacement: bool) -> None:
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(cfg, store.port, slot, replacement, child), name=f"ringddp-member{slot}")
+    def spawn(slot: int | None, replacement: bool) -> tuple[mp.Process, Any]:
+        parent, child = ctx.Pipe()
+        name = "ringddp-spare" if slot is None else f"ringddp-member{slot}"
+        p = ctx.Process(target=_child, args=(cfg, store.port, slot, replacement, child), name=name)
         p.start()
         child.close()
-        procs[slot] = (p, parent)
-        log.info("slot %d: pid %d%s", slot, p.pid, " (replacement)" if replacement else "")
+        return p, parent
 
+    def start(slot: int, replacement: bool) -> None:
+        nonlocal recoveries
+        if replacement and cfg.max_respawns is not None and recoveries >= cfg.max_respawns:
+            if not cfg.shrink:
+                raise collectives.LaunchError(f"slot {slot} lost after {recoveries} replacements (max_respawns): "
+                                              f"allow more, or shrink; events: {events}")
+            vacant.add(slot)
+            events.append(f"{time.monotonic() - t0:.2f}s: slot {slot}: no replacement ({recoveries} made): "
+                          f"the others go on without it")
+            log.warning(events[-1])
+            return
+        recoveries += replacement
+        if replacement and spares:
+            spares.sort(key=lambda s: s[0].pid not in warm)  # stable: the oldest ready spare first
+            p, conn = procs[slot] = spares.pop(0)
+            conn.send_bytes(pickle.dumps(slot))
+            if cfg.max_respawns is None or recoveries < cfg.max_respawns:  # else no spare could be used
+                owed.append(time.monotonic() + 10.0)
+            events.append(f"{time.monotonic() - t0:.2f}s: slot {slot}: pid {p.pid} "
+                          f"({'warm' if p.pid in warm else 'unready'} spare) takes it")
+            log.info("slot %d: pid %d (%s spare)", slot, p.pid, "warm" if p.pid in warm else "unready")
+            return
+        procs[slot] = spawn(slot, replacement)
+        log.info("slot %d: pid %d%s", slot, procs[slot][0].pid, " (replacement)" if replacement else "")
+        if replacement:
+            events.append(f"{time.monotonic() - t0:.2f}s: slot {slot}: new process pid {procs[slot][0].pid} takes it")
+
+    def add_spare() -> None:
+        spares.append(spawn(None, True))
+        log.info("spare: pid %d", spares[-1][0].pid)
+
+    t0, deadline = time.monotonic(), time.monotonic() + join_timeout
+    recoveries, started = 0, False
     for slot in range(cfg.world_size):
         start(slot, False)
-    t0, deadline = time.monotonic(), time.monotonic() + join_timeout
+    for _ in range(cfg.spares):
+        add_spare()
     pending = sorted(chaos)
     reports: dict[int, dict[str, Any]] = {}
     stopped: dict[int, float] = {}  # pid -> when the launcher first saw it stopped
-    recoveries = 0
     waiting: list[tuple[float, int]] = []  # (when a signal was sent, the newest generation then)
     recovery: list[float] = []
     try:
-        while len(reports) < cfg.world_size:
+        while len(reports) + len(vacant) < cfg.world_size:
             if time.monotonic() > deadline:
                 raise collectives.LaunchError(f"ddp.elastic: not done after {join_timeout:g}s; events: {events}")
             done, generation = progress(store, cfg.world_size) if cfg.report_progress else (0, -1)
@@ -270,18 +466,25 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                     recovery.append(time.monotonic() - sent)
                     del waiting[i]
                     break
+            if not started and (all(p.pid in warm for p, _ in spares) or time.monotonic() - t0 > cfg.timeout):
+                store.set(_GO, "1")
+                started = True
+            while owed and owed[0] <= time.monotonic():
+                owed.pop(0)
+                add_spare()
             fired = None  # signals of one step go together; a later step's wait for the recovery
-            while pending and done >= pending[0][0] and (not waiting or pending[0][0] == fired):
+            spares_ready = not owed and all(p.pid in warm for p, _ in spares)
+            while pending and done >= pending[0][0] and (not waiting and spares_ready or pending[0][0] == fired):
                 at, slot, sig = pending.pop(0)
                 fired = at
                 p = procs[slot][0]
-                if slot not in reports and p.is_alive():
+                if slot not in reports and slot not in vacant and p.is_alive():
                     os.kill(p.pid, sig)
                     waiting.append((time.monotonic(), generation))
                     events.append(f"{time.monotonic() - t0:.2f}s: sent {signal.Signals(sig).name} to slot {slot} "
                                   f"(pid {p.pid}) after step {at}")
                     log.warning(events[-1])
-            live = [(s, p, c) for s, (p, c) in procs.items() if s not in reports]
+            live = [(s, p, c) for s, (p, c) in procs.items() if s not in reports and s not in vacant]
             for slot, p, _ in live:  # a stopped child that has not joined yet has no heartbeat to miss
                 if not is_stopped(p):
                     stopped.pop(p.pid, None)
@@ -290,7 +493,23 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                     events.append(f"{time.monotonic() - t0:.2f}s: slot {slot} (pid {p.pid}) stopped for "
                                   f"{cfg.heartbeat:g}s: killed")
                     log.warning(events[-1])
-            ready = mp.connection.wait([c for _, _, c in live] + [p.sentinel for _, p, _ in live], 0.05)
+            idle = list(spares)
+            ready = mp.connection.wait([c for _, _, c in live] + [p.sentinel for _, p, _ in live]
+                                       + [c for _, c in idle], 0.05)
+            for p, conn in idle:  # a spare says it is ready, or died waiting: another one starts
+                if conn in ready:
+                    try:
+                        status, _ = pickle.loads(conn.recv_bytes())
+                    except EOFError:
+                        status = "died"
+                    if status == "ready":
+                        warm.add(p.pid)
+                        continue
+                    spares.remove((p, conn))
+                    p.join(5)
+                    events.append(f"{time.monotonic() - t0:.2f}s: spare (pid {p.pid}) died, exit {p.exitcode}")
+                    log.warning(events[-1])
+                    add_spare()
             for slot, p, conn in live:
                 if conn in ready:
                     try:
@@ -300,6 +519,13 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                     if status == "ok":
                         reports[slot] = value
                         continue
+                    if status == "ready":  # a spare that was given its slot before it was ready
+                        continue
+                    if status == "joined":  # a spare took the slot: its successor may start now
+                        if owed:
+                            owed.pop(0)
+                            add_spare()
+                        continue
                     if status == "lost":  # replacing members cannot help: fail the job, loudly
                         raise collectives.LaunchError(f"slot {slot}: {value}; events: {events}")
                 elif p.sentinel in ready:
@@ -308,12 +534,11 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                     continue
                 p.join(5)
                 events.append(f"{time.monotonic() - t0:.2f}s: slot {slot} (pid {p.pid}) {status}, exit {p.exitcode}"
-                              + (f": {value}" if value else "") + "; starting a replacement")
+                              + (f": {value}" if value else ""))
                 log.warning(events[-1])
-                recoveries += 1
                 start(slot, True)
     finally:
-        for p, _ in procs.values():
+        for p, _ in list(procs.values()) + spares:
             if p.is_alive():
                 p.kill()
             p.join(10)

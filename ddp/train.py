@@ -90,6 +90,10 @@ class Config:
     save_state: str | None = None
     fault_tolerant: bool = False
     heartbeat: float = 2.0
+    spares: int = 0
+    shrink: bool = False
+    max_respawns: int | None = None
+    respawn_wait: float = 60.0
 
 
 @functools.lru_cache(maxsize=4)
@@ -144,10 +148,19 @@ class DigitsJob:
         return make_model(self.hidden)
 
     def batch(self, step: int, slot: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (step % self.steps_per_epoch) * self.batch_size * world_size
+        return self.batch_at(step // self.steps_per_epoch, start, slot, world_size)
+
+    def rows(self) -> int:
+        return len(load_digits_split(self.seed)[0])
+
+    def batch_at(self, epoch: int, start: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shrink mode's batch (:class:`ddp.elastic.EpochJob`): the sampler shares the epoch's
+        rows from ``start`` on among ``world_size`` ranks; this rank's first ``batch_size``."""
         x, y = load_digits_split(self.seed)[:2]
-        sampler = DistributedSampler(TensorDataset(x, y), num_replicas=world_size, rank=slot, shuffle=True, seed=self.seed)
-        sampler.set_epoch(step // self.steps_per_epoch)
-        rows = list(sampler)[(step % self.steps_per_epoch) * self.batch_size:][: self.batch_size]
+        sampler = DistributedSampler(TensorDataset(x, y), num_replicas=world_size, rank=rank, shuffle=True, seed=self.seed)
+        sampler.set_epoch(epoch, start=start)
+        rows = sampler.indices()[: self.batch_size]
         return x[rows], y[rows]
 
 
@@ -527,7 +540,20 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--fault-tolerant", action="store_true",
                    help="survive members killed or stopped from outside: replace them, redo the lost step (bucketed DDP, one host)")
     p.add_argument("--heartbeat", type=float, default=2.0, help="--fault-tolerant: seconds of silence that make a member dead")
+    p.add_argument("--spares", metavar="K", type=int, default=0,
+                   help="--fault-tolerant: warm spares kept ready to take a lost member's slot (default 0: start a new process)")
+    p.add_argument("--max-respawns", metavar="N", type=int, help="--fault-tolerant: replace at most N lost members over the run")
+    p.add_argument("--respawn-wait", metavar="S", type=float, default=60.0,
+                   help="--fault-tolerant: seconds the survivors wait for a replacement (default 60)")
+    p.add_argument("--shrink", action="store_true",
+                   help="--fault-tolerant: when no replacement comes (--max-respawns, --respawn-wait), go on with fewer members")
     a = p.parse_args(argv)
+    if not a.fault_tolerant and (a.spares or a.shrink or a.max_respawns is not None):
+        p.error("--spares, --shrink and --max-respawns go with --fault-tolerant")
+    if a.spares < 0 or (a.max_respawns is not None and a.max_respawns < 0) or not a.respawn_wait >= 0:
+        p.error("--spares and --max-respawns must be >= 0, --respawn-wait a number of seconds >= 0")
+    if a.shrink and a.zero:
+        p.error("--shrink re-partitions bucketed DDP (--zero 0) over fewer members; drop --shrink or --zero")
     if a.fault_tolerant:
         clash = [flag for flag, on in [("--naive", a.naive), ("--zero", a.zero), ("--torch-ddp", a.torch_ddp),
                                        ("--accum", a.accum != 1), ("--data scatter", a.data == "scatter"),
@@ -561,7 +587,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         data=a.data, seed=a.seed,
         timeout=a.timeout, trace=a.trace, plot=a.plot, verbose=a.verbose, checkpoint_dir=a.checkpoint_dir,
         checkpoint_every=a.checkpoint_every, keep=a.keep, resume=a.resume, save_state=a.save_state,
-        fault_tolerant=a.fault_tolerant, heartbeat=a.heartbeat,
+        fault_tolerant=a.fault_tolerant, heartbeat=a.heartbeat, spares=a.spares, shrink=a.shrink,
+        max_respawns=a.max_respawns, respawn_wait=a.respawn_wait,
     )  # fmt: skip
 
 
@@ -569,7 +596,9 @@ def fault_tolerant(cfg: Config) -> int:
     """``--fault-tolerant``: the job on :func:`ddp.elastic.run` (members replaced, steps redone)."""
     job = DigitsJob(cfg.epochs, cfg.world_size, cfg.batch_size, cfg.hidden, cfg.seed)
     ecfg = elastic.Config(job=job, world_size=cfg.world_size, lr=cfg.lr, bucket_mb=cfg.bucket_mb, seed=cfg.seed,
-                          backend=resolve_backend(cfg.backend), heartbeat=cfg.heartbeat, timeout=cfg.timeout)
+                          backend=resolve_backend(cfg.backend), heartbeat=cfg.heartbeat, timeout=cfg.timeout,
+                          spares=cfg.spares, shrink=cfg.shrink, max_respawns=cfg.max_respawns,
+                          respawn_wait=cfg.respawn_wait)
     started = time.monotonic()
     try:
         out = elastic.run(ecfg)
@@ -579,15 +608,18 @@ def fault_tolerant(cfg: Config) -> int:
     if not all(r["identical"] for r in out.reports.values()):
         log.error("ringddp-train: the members' parameters differ")
         return 1
+    first = next(r for r in out.reports.values() if r["state"] is not None)  # rank 0 of the last generation
     if cfg.save_state:
         model = job.model()
-        model.load_state_dict(out.reports[0]["state"])
+        model.load_state_dict(first["state"])
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-        optimizer.load_state_dict(out.reports[0]["optimizer"])
+        optimizer.load_state_dict(first["optimizer"])
         save_state(cfg.save_state, model, optimizer, rank=0)
     redone = sum(r["failed_steps"] for r in out.reports.values())
+    if cfg.shrink:
+        log.info("membership (from step: slots): %s", ", ".join(f"{s}: {list(k)}" for s, k in first["history"]))
     log.info("done: fault-tolerant bucketed DDP, %d ranks: %d steps in %.1fs; parameters identical on every rank; "
-             "%d members replaced, %d step attempts redone", cfg.world_size, job.steps, time.monotonic() - started,
+             "%d members replaced, %d step attempts redone", len(out.reports), first["steps"], time.monotonic() - started,
              out.recoveries, redone)
     return 0
 

@@ -82,3 +82,42 @@ def test_losing_every_holder_of_the_state_fails_loudly():
     cfg = elastic.Config(job=elastic.SyntheticJob(steps=8), world_size=2, heartbeat=5.0, report_progress=True)
     with pytest.raises(collectives.LaunchError, match="every member of this generation is a replacement"):
         elastic.run(cfg, [(3, 0, signal.SIGKILL), (3, 1, signal.SIGKILL)], join_timeout=350)
+
+
+def _params_equal(a: dict, b: dict) -> bool:
+    """Parameters and optimizer state of two reports of :func:`ddp.elastic.run` bitwise equal."""
+    return _same({"model": a["state"], "optimizer": a["optimizer"]}, {"model": b["state"], "optimizer": b["optimizer"]})
+
+
+@pytest.mark.timeout(300)
+def test_warm_spare_takes_a_slot_then_the_rest_shrink_and_replay_bitwise_from_their_schedule():
+    """Three members, one warm spare, at most one replacement, shrink mode. Slot 1 is killed: the
+    spare (which built its model and connected beforehand) takes the slot. Slot 2 is killed: no
+    replacement is left, so slots 0 and 1 go on as a world of 2, sharing the rest of the epoch.
+    Every row is trained on once in the epoch (the only repeats are the sampler's padding of the
+    last step), and a run without failures that applies the same membership schedule (slot 2
+    leaves at the same step) ends bitwise equal: the spare's healing left no trace either."""
+    from data import DistributedSampler
+
+    job = elastic.SyntheticJob(epochs=1, size=500, batch_size=8)
+    cfg = elastic.Config(job=job, world_size=3, heartbeat=5.0, spares=1, max_respawns=1, shrink=True,
+                         respawn_wait=0.5, report_progress=True)
+    out = elastic.run(cfg, [(4, 1, signal.SIGKILL), (10, 2, signal.SIGKILL)])
+    assert sorted(out.reports) == [0, 1] and out.recoveries == 1, out.events
+    assert out.reports[1]["spare"] and not out.reports[0]["spare"], out.events  # the spare took slot 1
+    history = out.reports[0]["history"]
+    assert len(history) == 2 and history[0] == (0, (0, 1, 2)) and history[1][1] == (0, 1), history
+    # walk the epoch as the schedule says; the run must have ended where this walk does
+    seen, start, step, rows = [], 0, 0, job.rows()
+    while start < rows:
+        slots = [k for s, k in history if s <= step][-1]
+        for rank in range(len(slots)):
+            sampler = DistributedSampler(range(rows), num_replicas=len(slots), rank=rank, seed=0)
+            sampler.set_epoch(0, start=start)
+            seen += sampler.indices()[:8].tolist()
+        start, step = start + 8 * len(slots), step + 1
+    assert out.reports[0]["steps"] == step
+    assert sorted(set(seen)) == list(range(rows)) and len(seen) - rows < len(history[-1][1])  # padding only
+    ref = elastic.run(elastic.Config(job=job, world_size=3, heartbeat=5.0, shrink=True, schedule=tuple(history)))
+    assert ref.reports[2]["left_at"] == history[1][0] and ref.reports[0]["history"] == history
+    assert _params_equal(ref.reports[0], out.reports[0])

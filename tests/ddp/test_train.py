@@ -115,6 +115,10 @@ def test_bad_arguments_are_rejected():
     assert out.returncode == 2 and "--world-size" in out.stderr
     out = run_train("--naive", "--zero", "2")
     assert out.returncode == 2 and "--zero" in out.stderr
+    out = run_train("--fault-tolerant", "--spares", "-1")
+    assert out.returncode == 2 and "--spares" in out.stderr
+    out = run_train("--fault-tolerant", "--shrink", "--zero", "1")
+    assert out.returncode == 2 and "drop --shrink or --zero" in out.stderr
 
 
 @pytest.mark.timeout(300)
