@@ -157,6 +157,7 @@ class Config:
     max_respawns: int | None = None  # replacements (spares or new processes) over the run; None: no limit
     shrink: bool = False  # no replacement within respawn_wait: go on with fewer members (an EpochJob)
     schedule: tuple[tuple[int, tuple[int, ...]], ...] = ()  # shrink: (step, slots) changes to apply, no failures
+    report_progress: bool = False  # publish each committed step (for chaos at given steps)
 
     def __post_init__(self) -> None:
         if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
@@ -168,7 +169,6 @@ class Config:
                              f"{type(self.job).__name__}")
         if self.schedule and not self.shrink:
             raise ValueError("ddp.elastic.Config: a membership schedule replays a shrink run: set shrink=True too")
-    report_progress: bool = False  # publish each committed step (for chaos at given steps)
 
 
 class StateLostError(RuntimeError):
