@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -49,6 +50,8 @@ import collectives
 from collectives.launch import configure_logging, is_stopped, set_parent_death_signal
 
 from .distributed import DistributedDataParallel
+from .zero import ZeroDataParallel, ZeroRedundancyOptimizer
+from .zero.replica import Shard, ShardReplica, piece_gradients
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,19 @@ class Config:
     timeout: float = 60.0
     respawn_wait: float = 60.0  # seconds survivors wait for a replacement
     report_progress: bool = False  # publish each committed step (for chaos at given steps)
+    zero: int = 0  # 0: our bucketed DDP; 1, 2: ZeRO-1/2 with a replica of each optimizer shard
+    # (step, slot): ZeRO: the slot's first member SIGKILLs itself inside that step's update, after
+    # its replica's update, before its own (tests: the others then hold updates nobody commits)
+    crash_in_update: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2):
+            raise ValueError(
+                f"ddp.elastic.Config: zero={self.zero!r}: the fault-tolerant loop runs DDP (0) or ZeRO-1/2 (1, 2); ZeRO-3 "
+                "shards the parameters too, which would need a replica of every parameter chunk: use zero=2"
+            )
+        if self.zero and self.world_size < 2:
+            raise ValueError("ddp.elastic.Config: ZeRO keeps each shard's replica on another member: world_size >= 2")
 
 
 class StateLostError(RuntimeError):
@@ -128,63 +144,235 @@ def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer,
     return ahead
 
 
+class _Trainer:
+    """How a member trains one step, heals and reports: our DDP (:class:`_Replicated`) or
+    ZeRO-1/2 with shard replicas (:class:`_Sharded`). Both roll back the buffers of an attempt
+    that failed before its update (its forward changed BatchNorm's running statistics)."""
+
+    def __init__(self, cfg: Config, model: nn.Module) -> None:
+        self.cfg, self.model = cfg, model
+        self.before: list[torch.Tensor] | None = None  # buffers before the attempt in flight
+
+    def snapshot_buffers(self) -> list[torch.Tensor]:
+        self.before = [b.detach().clone() for b in self.model.buffers()]
+        return self.before
+
+    @torch.no_grad()
+    def restore_buffers(self, saved: list[torch.Tensor]) -> None:
+        for b, old in zip(self.model.buffers(), saved):
+            b.copy_(old)
+
+
+class _Replicated(_Trainer):
+    """Our bucketed DDP: every member holds the whole state; healing copies the most advanced
+    member's (:func:`heal`)."""
+
+    def __init__(self, cfg: Config, model: nn.Module) -> None:
+        super().__init__(cfg, model)
+        self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+        self.ddp: DistributedDataParallel | None = None
+
+    def heal(self, group: collectives.Group, step: int) -> int:
+        return heal(group, self.model, self.opt, step)
+
+    def step(self, group: collectives.Group, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        if self.ddp is None:
+            self.ddp = DistributedDataParallel(self.model, group=group, bucket_cap_mb=self.cfg.bucket_mb, init_sync=False)
+        self.opt.zero_grad(set_to_none=True)
+        self.snapshot_buffers()  # the attempt's forward updates them
+        nn.functional.cross_entropy(self.ddp(x), y).backward()
+        self.before = None
+        self.opt.step()
+
+    def abandon(self) -> None:
+        if self.before is not None:  # the lost attempt leaves no trace: its redo updates them once
+            self.restore_buffers(self.before)
+            self.before = None
+        self.close()
+
+    def close(self) -> None:
+        if self.ddp is not None:
+            self.ddp.remove_hooks()
+            self.ddp = None
+
+    def final(self, group: collectives.Group, slot: int) -> dict[str, Any]:
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(group.size())]
+        collectives.all_gather(every, flat, group=group)
+        identical = all(torch.equal(every[0], f) for f in every)
+        return {"identical": identical, "state": self.model.state_dict() if slot == 0 else None,
+                "optimizer": self.opt.state_dict() if slot == 0 else None}
+
+
+class _Sharded(_Trainer):
+    """ZeRO-1/2 on the group, and a replica of the next rank's optimizer shard (module docstring:
+    *ZeRO-1/2*): a member's state is its own shard, the replica, and ``pending``, the undo copy
+    of a step whose update it applied but whose all-gather did not return."""
+
+    def __init__(self, cfg: Config, model: nn.Module, replacement: bool) -> None:
+        super().__init__(cfg, model)
+        self.holds = not replacement  # its shard and replica are the training state's (not yet: a replacement)
+        self.pending: dict[str, Any] | None = None
+        self.carry: dict[str, Any] | None = None  # own shard and replica between generations
+        self.zdp: ZeroDataParallel | None = None
+        self.replacement = replacement
+        self.undone = self.kept = 0  # steps in flight rolled back / kept at a heal
+
+    def _build(self, group: collectives.Group) -> None:
+        self.zdp = ZeroDataParallel(self.model, stage=self.cfg.zero, group=group, bucket_cap_mb=self.cfg.bucket_mb,
+                                    init_sync=False)
+        self.zopt = ZeroRedundancyOptimizer(self.zdp.parameters(), torch.optim.SGD, lr=self.cfg.lr, momentum=0.9)
+        self.own = Shard.own(self.zdp, self.zopt)
+        self.replica = ShardReplica(self.zdp, self.zopt, (group.rank() + 1) % group.size())
+        if self.carry is not None:
+            self.own.load(self.carry["own"])
+            self.replica.load(self.carry["replica"])
+            self.carry = None
+
+    def heal(self, group: collectives.Group, step: int) -> int:
+        """Agree on the committed step, roll the step in flight forward or back, give every
+        non-holder its shard and replica from the live copies, then republish the parameters."""
+        self._build(group)
+        n, me = group.size(), group.rank()
+        info = torch.zeros(n, 3, dtype=torch.int64)
+        collectives.all_gather_into_tensor(info, torch.tensor([[step, self.pending is not None, self.holds]]), group=group)
+        steps, pending, holds = (info[:, c].tolist() for c in range(3))
+        lost = [k for k in range(n) if not holds[k] and not holds[k - 1]]
+        if lost:
+            raise StateLostError(
+                f"ddp.elastic: the optimizer shards of ranks {lost} are lost: their owner and the rank holding their "
+                "replica both died (or were replacements that had not healed yet); restart from a checkpoint"
+            )
+        committed = max(steps[k] for k in range(n) if holds[k])
+        odd = [k for k in range(n) if holds[k] and steps[k] != committed and not (steps[k] == committed - 1 and pending[k])]
+        if odd:  # a member behind without its update: a live member cannot have committed past it
+            raise RuntimeError(f"ddp.elastic: inconsistent members after a failure (step, pending, holds by rank: {info.tolist()})")
+        if self.pending is not None:
+            if step == committed:  # nobody's all-gather of this step returned: undo it
+                self.own.load(self.pending["own"])
+                self.replica.load(self.pending["replica"])
+                self.restore_buffers(self.pending["buffers"])
+                self.undone += 1
+                log.info("step %d: its update rolled back (no member committed it)", step)
+            else:  # some member's returned: every member had applied its update, ours is the committed one
+                self.kept += 1
+                log.info("step %d: its update kept (a member committed it)", step)
+            self.pending = None
+        for k in range(n):  # shard k lives on rank k (its owner) and rank k - 1 (its replica)
+            holder = (k - 1) % n
+            for to, src, shard in ((k, holder, "replica"), (holder, k, "own")):
+                if not holds[to]:
+                    obj = [getattr(self, shard).state() if me == src else None]
+                    collectives.broadcast_object_list(obj, src=group.ranks[src], group=group)
+                    if me == to:
+                        (self.own if shard == "replica" else self.replica).load(obj[0])
+        self.zdp.publish()  # every chunk from its owner: the full parameters of the committed step
+        src = min(k for k in range(n) if holds[k])  # buffers (BatchNorm's statistics): as DDP's heal
+        buffers = [[b.detach().clone() for b in self.model.buffers()] if me == src else None]
+        collectives.broadcast_object_list(buffers, src=group.ranks[src], group=group)
+        self.restore_buffers(buffers[0])
+        self.holds = True
+        return committed
+
+    def step(self, group: collectives.Group, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        assert self.zdp is not None
+        self.zopt.zero_grad(set_to_none=True)
+        buffers = self.snapshot_buffers()
+        nn.functional.cross_entropy(self.zdp(x), y).backward()  # reduce-scatters the gradients
+        grads = piece_gradients(self.zopt)
+        incoming = grads.new_empty(self.replica.numel())
+        n, me = group.size(), group.rank()
+        for work in collectives.batch_isend_irecv([  # the gradient chunk to the replica holder
+            collectives.P2POp(collectives.isend, grads, group=group, group_peer=(me - 1) % n),
+            collectives.P2POp(collectives.irecv, incoming, group=group, group_peer=(me + 1) % n),
+        ]):
+            work.wait()
+        self.pending = {"own": self.own.state(), "replica": self.replica.state(), "buffers": buffers}
+        self.before = None
+        self.replica.step(incoming)
+        if self.cfg.crash_in_update == (step, me) and not self.replacement:  # rank = slot: the world is full
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.zopt.step()  # the own shard's update, then the all-gather of the parameters: the commit
+        self.pending = None
+
+    def abandon(self) -> None:
+        if self.before is not None:  # failed before its update: as for DDP
+            self.restore_buffers(self.before)
+            self.before = None
+        if self.zdp is not None and self.holds:
+            self.carry = {"own": self.own.state(), "replica": self.replica.state()}
+        self.close()
+
+    def close(self) -> None:
+        if self.zdp is not None:
+            self.zdp.remove_hooks()
+            self.zdp = None
+
+    def final(self, group: collectives.Group, slot: int) -> dict[str, Any]:
+        """Identical parameters everywhere and every replica equal to its owner's shard (digests);
+        slot 0 gets the full model and optimizer state (collective)."""
+        assert self.zdp is not None
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(group.size())]
+        collectives.all_gather(every, flat, group=group)
+        digests: list[Any] = [None] * group.size()
+        collectives.all_gather_object(digests, (_digest(self.own.state()), _digest(self.replica.state())), group=group)
+        n = group.size()
+        identical = all(torch.equal(every[0], f) for f in every) and all(digests[k][1] == digests[(k + 1) % n][0] for k in range(n))
+        state = self.zdp.full_state_dict()
+        self.zopt.consolidate_state_dict(group.ranks[0])
+        return {"identical": identical, "state": state if slot == 0 else None,
+                "optimizer": self.zopt.state_dict() if slot == 0 else None, "undone": self.undone, "kept": self.kept}
+
+
+def _digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a shard's state (:meth:`ddp.zero.replica.Shard.state`), bits of every tensor."""
+    h = hashlib.sha256()
+    for t in state["chunks"]:
+        h.update(t.numpy().tobytes())
+    for entry in state["optimizer"]:
+        for k in sorted(entry):
+            v = entry[k]
+            h.update(k.encode() + (v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode()))
+    return h.hexdigest()
+
+
 def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, Any]:
     """One member's life: join, train (re-forming and healing after failures), report."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout * 2))
     eg = collectives.ElasticGroup(store, slot, cfg.world_size, backend=cfg.backend, timeout=cfg.timeout,
                                   heartbeat=cfg.heartbeat)
     model = cfg.job.model()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    trainer = _Sharded(cfg, model, replacement) if cfg.zero else _Replicated(cfg, model)
     step, failed = (-1 if replacement else 0), 0
     stale = True  # every generation starts by healing: replacements may join the first one too
-    ddp: DistributedDataParallel | None = None
-    before: list[torch.Tensor] | None = None  # buffers before the step in flight
     try:
         while True:
             try:
                 if stale:
-                    step = heal(eg.group, model, opt, step)
+                    step = trainer.heal(eg.group, step)
                     stale = False
                     log.info("generation %d: healed to step %d", eg.generation, step)
                 if step >= cfg.job.steps:
                     break
-                if ddp is None:
-                    ddp = DistributedDataParallel(model, group=eg.group, bucket_cap_mb=cfg.bucket_mb, init_sync=False)
                 x, y = cfg.job.batch(step, slot, cfg.world_size)
                 torch.manual_seed(cfg.seed * 1_000_003 + slot * 10_007 + step)
-                opt.zero_grad(set_to_none=True)
-                before = [b.detach().clone() for b in model.buffers()]  # the attempt's forward updates them
-                nn.functional.cross_entropy(ddp(x), y).backward()
-                before = None
-                opt.step()
+                trainer.step(eg.group, x, y, step)
                 step += 1
                 if cfg.report_progress:
                     store.set(f"ringddp/ddp-elastic/progress/{slot}", f"{step}:{eg.generation}")
             except collectives.CollectiveError as exc:
                 log.warning("step %d failed (%s); re-forming", step, str(exc).splitlines()[0][:160])
-                if before is not None:  # the lost attempt leaves no trace: its redo updates them once
-                    with torch.no_grad():
-                        for b, old in zip(model.buffers(), before):
-                            b.copy_(old)
-                    before = None
-                if ddp is not None:
-                    ddp.remove_hooks()
-                    ddp = None
+                trainer.abandon()
                 started = time.monotonic()
                 failed += 1
                 eg.reform(wait=cfg.respawn_wait)
                 stale = True
                 log.info("generation %d formed in %.2fs", eg.generation, time.monotonic() - started)
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        every = [torch.empty_like(flat) for _ in range(eg.size())]
-        collectives.all_gather(every, flat, group=eg.group)
-        identical = all(torch.equal(every[0], f) for f in every)
-        return {"slot": slot, "uid": eg.me.uid, "generation": eg.generation, "identical": identical,
-                "steps": step, "failed_steps": failed, "state": model.state_dict() if slot == 0 else None,
-                "optimizer": opt.state_dict() if slot == 0 else None}
+        return {"slot": slot, "uid": eg.me.uid, "generation": eg.generation, "steps": step, "failed_steps": failed,
+                **trainer.final(eg.group, slot)}
     finally:
-        if ddp is not None:
-            ddp.remove_hooks()
+        trainer.close()
         eg.close()
 
 

@@ -525,15 +525,19 @@ def parse_args(argv: list[str] | None = None) -> Config:
                    help="refuse to resume: fail if --checkpoint-dir already holds a checkpoint")
     p.add_argument("--save-state", metavar="OUT.pt", help="write rank 0's final model and optimizer state dicts (torch.save)")
     p.add_argument("--fault-tolerant", action="store_true",
-                   help="survive members killed or stopped from outside: replace them, redo the lost step (bucketed DDP, one host)")
+                   help="survive members killed or stopped from outside: replace them, redo the lost step (bucketed DDP "
+                        "or --zero 1|2, one host)")
     p.add_argument("--heartbeat", type=float, default=2.0, help="--fault-tolerant: seconds of silence that make a member dead")
     a = p.parse_args(argv)
     if a.fault_tolerant:
-        clash = [flag for flag, on in [("--naive", a.naive), ("--zero", a.zero), ("--torch-ddp", a.torch_ddp),
+        if a.zero == 3:
+            p.error("--fault-tolerant runs ZeRO-1/2 (a replica of each optimizer shard on the next rank), not ZeRO-3, "
+                    "whose parameter shards would need replicas too: use --zero 2 (or 1, or 0 for DDP)")
+        clash = [flag for flag, on in [("--naive", a.naive), ("--torch-ddp", a.torch_ddp),
                                        ("--accum", a.accum != 1), ("--data scatter", a.data == "scatter"),
                                        ("--checkpoint-dir", a.checkpoint_dir), ("--trace", a.trace), ("--plot", a.plot)] if on]
         if clash:
-            p.error(f"--fault-tolerant runs bucketed DDP with --data sampler and --accum 1; drop {', '.join(clash)}")
+            p.error(f"--fault-tolerant runs bucketed DDP or ZeRO-1/2 with --data sampler and --accum 1; drop {', '.join(clash)}")
         if resolve_backend(a.backend) not in ("auto", "shm", "p2p"):
             p.error(f"--fault-tolerant re-forms groups on the shm and p2p backends (or auto), not {a.backend}")
         if a.world_size < 2 or not a.heartbeat > 0:
@@ -569,7 +573,7 @@ def fault_tolerant(cfg: Config) -> int:
     """``--fault-tolerant``: the job on :func:`ddp.elastic.run` (members replaced, steps redone)."""
     job = DigitsJob(cfg.epochs, cfg.world_size, cfg.batch_size, cfg.hidden, cfg.seed)
     ecfg = elastic.Config(job=job, world_size=cfg.world_size, lr=cfg.lr, bucket_mb=cfg.bucket_mb, seed=cfg.seed,
-                          backend=resolve_backend(cfg.backend), heartbeat=cfg.heartbeat, timeout=cfg.timeout)
+                          backend=resolve_backend(cfg.backend), heartbeat=cfg.heartbeat, timeout=cfg.timeout, zero=cfg.zero)
     started = time.monotonic()
     try:
         out = elastic.run(ecfg)
@@ -579,15 +583,15 @@ def fault_tolerant(cfg: Config) -> int:
     if not all(r["identical"] for r in out.reports.values()):
         log.error("ringddp-train: the members' parameters differ")
         return 1
-    if cfg.save_state:
+    if cfg.save_state:  # ZeRO's optimizer state comes consolidated: a plain SGD's state dict
         model = job.model()
         model.load_state_dict(out.reports[0]["state"])
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
         optimizer.load_state_dict(out.reports[0]["optimizer"])
         save_state(cfg.save_state, model, optimizer, rank=0)
     redone = sum(r["failed_steps"] for r in out.reports.values())
-    log.info("done: fault-tolerant bucketed DDP, %d ranks: %d steps in %.1fs; parameters identical on every rank; "
-             "%d members replaced, %d step attempts redone", cfg.world_size, job.steps, time.monotonic() - started,
+    log.info("done: fault-tolerant %s, %d ranks: %d steps in %.1fs; parameters identical on every rank; "
+             "%d members replaced, %d step attempts redone", mode_name(cfg), cfg.world_size, job.steps, time.monotonic() - started,
              out.recoveries, redone)
     return 0
 
