@@ -1,5 +1,5 @@
 """Training that survives a member's death: the lost member is replaced, the step redone, and the
-run ends bitwise where the same run without failures ends (DDP; issue 44's loop, first form).
+run ends bitwise where the same run without failures ends (DDP and ZeRO-1/2; issue 44's loop).
 
 :func:`run` starts the members on 127.0.0.1 and trains a :class:`Job` with our DDP on an
 :class:`~collectives.ElasticGroup`; each member killed or stopped from outside (SIGKILL,
@@ -19,8 +19,47 @@ broadcasts parameters, buffers, optimizer state and the step number, bit for bit
 (who lost the step's all-reduce) thus roll forward; nobody rolls back, and no vote per step is
 needed: the failure-free overhead is nil beyond the heartbeat thread.
 
-**Limits.** Our bucketed DDP only (ZeRO-1/2 shards would need a replica of each optimizer
-shard), no shrink mode and no warm spares yet, and a member's own state outside the model and
+**ZeRO-1/2** (``Config(zero=1|2)``). Rank ``r`` alone holds the master values and optimizer
+state of chunk ``r`` of every bucket, and that state (momentum: a sum over every step) cannot be
+recomputed. So rank ``r`` also keeps a replica of rank ``r + 1``'s shard
+(:class:`ddp.zero.replica.ShardReplica`): a shard survives any single death. A step is
+
+1. forward and backward (the reduce-scatter: rank ``r`` gets its chunk's averaged gradient);
+2. the *shift*: rank ``r`` sends its pieces' gradients to ``r - 1`` and receives ``r + 1``'s (one
+   ``Ψ/n``-byte message each way);
+3. an undo copy of the own shard, the replica and the buffers, then the update of the replica
+   and of the own shard (local: no communication can fail here);
+4. the all-gather of the updated chunks: **the commit**. A step is committed on a member when its
+   all-gather returned there.
+
+*The commit rule.* An all-gather that returned on any member carried every member's updated
+chunk, so every member (the dead one too) had applied its update before: then every live member
+has either committed the step or applied it (*pending*). If no live member's all-gather
+returned, nobody committed it. Healing all-gathers ``(step, pending, holds)`` and decides:
+pending members keep their update when a member is one step ahead (roll forward), and restore
+their undo copy otherwise (roll back). Either way every live copy of every shard then stands at
+the same committed step: its owner's, and its replica holder's (a replacement holds nothing until
+it healed). A non-holder receives its own shard from its replica holder and its replica from
+its owner (object broadcasts, bits unchanged); the all-gather of every owner's chunk then rebuilds
+the full parameters on every member, and the buffers come from the lowest holder. A shard whose
+two holders both died (or were replacements not yet healed) is lost: :class:`StateLostError`.
+A vote before the update would not avoid the undo copy: a member that lost the reduce-scatter
+has no gradient to roll forward with.
+
+*Why it stays bitwise.* The replica steps with the owner's gradient bits, from the same state
+bits, with the same element-wise arithmetic on pieces of the same lengths, so it equals the
+owner's shard after every step (every run checks it at the end: SHA-256 of each replica against
+its owner's shard, part of ``identical``); undo copies and transfers are bits. So every shard
+is its failure-free state at the committed step, and the redo is the failure-free step.
+
+*Cost when nothing fails* (``n`` members, ``Ψ`` parameter bytes): the shift, ``Ψ/n`` bytes per
+member on top of the step's ``2(n-1)/n · Ψ``; the replica's update (element-wise, over ``Ψ/n``);
+the undo copy (a ``memcpy`` of the own shard and the replica: parameters and state); memory for a
+second shard and the undo copy (measured: docs/DESIGN.md §5, ``scripts/bench_ft_zero.py``). Our
+ZeRO-1 reduce-scatters too, so it needs the shift as much as ZeRO-2.
+
+**Limits.** DDP and ZeRO-1/2 (ZeRO-3 would need replicas of the parameter chunks too), no shrink
+mode and no warm spares yet, and a member's own state outside the model and
 optimizer must be a function of the step (as the sampler position and RNG are here). Buffers
 (BatchNorm's running statistics): a lost attempt's updates are rolled back, and healing copies
 the most advanced member's. DDP broadcasts rank 0's at each forward, so they are the failure-free
@@ -146,7 +185,7 @@ def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer,
 
 class _Trainer:
     """How a member trains one step, heals and reports: our DDP (:class:`_Replicated`) or
-    ZeRO-1/2 with shard replicas (:class:`_Sharded`). Both roll back the buffers of an attempt
+    ZeRO-1/2 with shard replicas (:class:`ShardedTrainer`). Both roll back the buffers of an attempt
     that failed before its update (its forward changed BatchNorm's running statistics)."""
 
     def __init__(self, cfg: Config, model: nn.Module) -> None:
@@ -204,7 +243,7 @@ class _Replicated(_Trainer):
                 "optimizer": self.opt.state_dict() if slot == 0 else None}
 
 
-class _Sharded(_Trainer):
+class ShardedTrainer(_Trainer):
     """ZeRO-1/2 on the group, and a replica of the next rank's optimizer shard (module docstring:
     *ZeRO-1/2*): a member's state is its own shard, the replica, and ``pending``, the undo copy
     of a step whose update it applied but whose all-gather did not return."""
@@ -219,15 +258,19 @@ class _Sharded(_Trainer):
         self.undone = self.kept = 0  # steps in flight rolled back / kept at a heal
 
     def _build(self, group: collectives.Group) -> None:
-        self.zdp = ZeroDataParallel(self.model, stage=self.cfg.zero, group=group, bucket_cap_mb=self.cfg.bucket_mb,
-                                    init_sync=False)
-        self.zopt = ZeroRedundancyOptimizer(self.zdp.parameters(), torch.optim.SGD, lr=self.cfg.lr, momentum=0.9)
-        self.own = Shard.own(self.zdp, self.zopt)
-        self.replica = ShardReplica(self.zdp, self.zopt, (group.rank() + 1) % group.size())
+        """ZeRO on this generation's group, the own shard and the replica as carried over (all or
+        nothing: a failure leaves the carried state as it was)."""
+        zdp = ZeroDataParallel(self.model, stage=self.cfg.zero, group=group, bucket_cap_mb=self.cfg.bucket_mb, init_sync=False)
+        try:
+            zopt = ZeroRedundancyOptimizer(zdp.parameters(), torch.optim.SGD, lr=self.cfg.lr, momentum=0.9)
+        except BaseException:
+            zdp.remove_hooks()
+            raise
+        own, replica = Shard.own(zdp, zopt), ShardReplica(zdp, zopt, (group.rank() + 1) % group.size())
         if self.carry is not None:
-            self.own.load(self.carry["own"])
-            self.replica.load(self.carry["replica"])
-            self.carry = None
+            own.load(self.carry["own"])
+            replica.load(self.carry["replica"])
+        self.zdp, self.zopt, self.own, self.replica, self.carry = zdp, zopt, own, replica, None
 
     def heal(self, group: collectives.Group, step: int) -> int:
         """Agree on the committed step, roll the step in flight forward or back, give every
@@ -343,7 +386,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool) -> dict[str, An
     eg = collectives.ElasticGroup(store, slot, cfg.world_size, backend=cfg.backend, timeout=cfg.timeout,
                                   heartbeat=cfg.heartbeat)
     model = cfg.job.model()
-    trainer = _Sharded(cfg, model, replacement) if cfg.zero else _Replicated(cfg, model)
+    trainer = ShardedTrainer(cfg, model, replacement) if cfg.zero else _Replicated(cfg, model)
     step, failed = (-1 if replacement else 0), 0
     stale = True  # every generation starts by healing: replacements may join the first one too
     try:

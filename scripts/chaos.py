@@ -1,6 +1,6 @@
 """Soak the fault-tolerant loop: kill and stop members at random steps, then report.
 
-    python scripts/chaos.py --world-size 3 --steps 600 --events 20 --seed 0
+    python scripts/chaos.py --world-size 3 --steps 600 --events 20 --seed 0 [--zero 2]
 
 Runs ``ddp.elastic.run`` twice on the synthetic job: once without failures (the reference and
 the failure-free time), once with ``--events`` signals (SIGKILL or SIGSTOP, to a random slot,
@@ -33,10 +33,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="shm", choices=["shm", "p2p"])
     p.add_argument("--heartbeat", type=float, default=2.0)
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="0: DDP; 1, 2: ZeRO-1/2 with shard replicas")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     cfg = elastic.Config(job=elastic.SyntheticJob(steps=a.steps), world_size=a.world_size, backend=a.backend,
-                         heartbeat=a.heartbeat, report_progress=True)
+                         heartbeat=a.heartbeat, report_progress=True, zero=a.zero)
     rnd = random.Random(a.seed)
     chaos = sorted((rnd.randrange(1, a.steps - 1), rnd.randrange(a.world_size), rnd.choice([signal.SIGKILL, signal.SIGSTOP]))
                    for _ in range(a.events))
