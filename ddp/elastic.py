@@ -26,8 +26,9 @@ recomputed. So rank ``r`` also keeps a replica of rank ``r + 1``'s shard
 
 1. forward and backward (the reduce-scatter: rank ``r`` gets its chunk's averaged gradient);
 2. the *shift*: rank ``r`` sends its pieces' gradients to ``r - 1`` and receives ``r + 1``'s (one
-   ``Ψ/n``-byte message each way);
-3. an undo copy of the own shard, the replica and the buffers, then the update of the replica
+   ``Ψ/n``-byte message each way: an ``all_to_all_single`` whose other splits are empty, so it
+   runs on the group's own transport), while it makes
+3. an undo copy of the own shard, the replica and the buffers; then the update of the replica
    and of the own shard (local: no communication can fail here);
 4. the all-gather of the updated chunks: **the commit**. A step is committed on a member when its
    all-gather returned there.
@@ -271,6 +272,7 @@ class ShardedTrainer(_Trainer):
             own.load(self.carry["own"])
             replica.load(self.carry["replica"])
         self.zdp, self.zopt, self.own, self.replica, self.carry = zdp, zopt, own, replica, None
+        self.scratch: dict[str, Any] | None = None  # the step's message and undo tensors, reused
 
     def heal(self, group: collectives.Group, step: int) -> int:
         """Agree on the committed step, roll the step in flight forward or back, give every
@@ -322,21 +324,23 @@ class ShardedTrainer(_Trainer):
         self.zopt.zero_grad(set_to_none=True)
         buffers = self.snapshot_buffers()
         nn.functional.cross_entropy(self.zdp(x), y).backward()  # reduce-scatters the gradients
-        grads = piece_gradients(self.zopt)
-        incoming = grads.new_empty(self.replica.numel())
+        if self.scratch is None:  # kept from step to step: no fresh pages every step
+            self.scratch = {"grads": torch.empty(sum(t.numel() for t in self.own.tensors)),
+                            "incoming": torch.empty(self.replica.numel()), "undo": None}
+        grads, incoming = piece_gradients(self.zopt, self.scratch["grads"]), self.scratch["incoming"]
         n, me = group.size(), group.rank()
-        for work in collectives.batch_isend_irecv([  # the gradient chunk to the replica holder
-            collectives.P2POp(collectives.isend, grads, group=group, group_peer=(me - 1) % n),
-            collectives.P2POp(collectives.irecv, incoming, group=group, group_peer=(me + 1) % n),
-        ]):
-            work.wait()
-        self.pending = {"own": self.own.state(), "replica": self.replica.state(), "buffers": buffers}
-        self.before = None
+        send, receive = [0] * n, [0] * n  # the gradient chunk to the replica holder, on the group's own
+        send[(me - 1) % n], receive[(me + 1) % n] = grads.numel(), incoming.numel()  # transport (shm: no TCP)
+        shift = collectives.all_to_all_single(incoming, grads, receive, send, group=group, async_op=True)
+        undo = self.scratch["undo"] or {"own": None, "replica": None}  # made while it flies
+        undo = {"own": self.own.state(undo["own"]), "replica": self.replica.state(undo["replica"]), "buffers": buffers}
+        shift.wait()
+        self.pending, self.before = undo, None
         self.replica.step(incoming)
         if self.cfg.crash_in_update == (step, me) and not self.replacement:  # rank = slot: the world is full
             os.kill(os.getpid(), signal.SIGKILL)
         self.zopt.step()  # the own shard's update, then the all-gather of the parameters: the commit
-        self.pending = None
+        self.scratch["undo"], self.pending = self.pending, None
 
     def abandon(self) -> None:
         if self.before is not None:  # failed before its update: as for DDP

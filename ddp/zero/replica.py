@@ -55,13 +55,27 @@ class Shard:
         """This rank's own shard (views of the model's master chunks and the optimizer's state)."""
         return cls([unit.master for unit in _trainable_units(model)], [t for _, _, t in optimizer.pieces], optimizer.optim)
 
-    def state(self) -> dict[str, Any]:
-        """A copy, by value: ``{"chunks": [...], "optimizer": [state of each piece]}``."""
-        return {
-            "chunks": [c.detach().clone() for c in self.chunks],
-            "optimizer": [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in self.optim.state.get(t, {}).items()}
-                          for t in self.tensors],
-        }  # fmt: skip
+    @torch.no_grad()
+    def state(self, into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A copy, by value: ``{"chunks": [...], "optimizer": [state of each piece]}``. ``into``: an
+        earlier copy of this shard, overwritten in place where its tensors fit (a copy every step
+        then allocates nothing: no fresh pages to fault in)."""
+        if into is None:
+            into = {"chunks": [c.detach().clone() for c in self.chunks], "optimizer": [{} for _ in self.tensors]}
+        else:
+            for c, saved in zip(self.chunks, into["chunks"]):
+                saved.copy_(c)
+        for t, saved in zip(self.tensors, into["optimizer"]):
+            current = self.optim.state.get(t, {})
+            for k in [k for k in saved if k not in current]:
+                del saved[k]
+            for k, v in current.items():
+                old = saved.get(k)
+                if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
+                    old.copy_(v)
+                else:
+                    saved[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        return into
 
     @torch.no_grad()
     def load(self, state: dict[str, Any]) -> None:
@@ -105,7 +119,9 @@ class ShardReplica(Shard):
             tensors += mine
             groups.append({**{k: v for k, v in inner.items() if k != "params"}, "params": mine})
         self._outer = optimizer.param_groups
-        super().__init__(chunks, tensors, type(optimizer.optim)(groups, **optimizer.optim.defaults))
+        # every hyperparameter travels in the groups (the constructor's own defaults may name
+        # keys it does not take as arguments, as AdamW's decoupled_weight_decay)
+        super().__init__(chunks, tensors, type(optimizer.optim)(groups))
 
     @torch.no_grad()
     def step(self, grads: torch.Tensor) -> None:
@@ -127,15 +143,17 @@ class ShardReplica(Shard):
         return sum(t.numel() for t in self.tensors)
 
 
-def piece_gradients(optimizer: ZeroRedundancyOptimizer) -> torch.Tensor:
+def piece_gradients(optimizer: ZeroRedundancyOptimizer, out: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's averaged gradient of each piece it owns, laid end to end in the local
-    optimizer's order (zeros for a piece without one): what the replica of this rank's shard
-    steps with (:meth:`ShardReplica.step`)."""
+    optimizer's order (zeros for a piece without one), in ``out`` if given: what the replica of
+    this rank's shard steps with (:meth:`ShardReplica.step`)."""
     parts = []
     for _, piece, t in optimizer.pieces:
         g = None if piece is None else piece.grad()
         parts.append(t.new_zeros(t.numel()) if g is None else g.reshape(-1))
-    return torch.cat(parts) if parts else torch.empty(0)
+    if not parts:
+        return torch.empty(0) if out is None else out
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
 __all__ = ["Shard", "ShardReplica", "piece_gradients"]

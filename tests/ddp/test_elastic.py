@@ -86,24 +86,20 @@ def test_zero_3_and_world_size_1_are_refused_with_what_to_change():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("zero,backend,inside", [(1, "shm", False), (2, "p2p", True)])
-def test_zero_member_killed_mid_run_heals_its_shard_from_the_replica(zero, backend, inside):
-    """ZeRO-1/2 at 3 members: slot 1 is killed mid-run, by SIGKILL from here (wherever it is in
-    its step), or by itself inside its optimizer update, after the others applied theirs: nobody
-    commits that step, so they roll it back. Its replacement gets its optimizer shard from slot
-    0's replica and its replica duty from slot 2, the step is redone, and the final parameters and
-    optimizer state are bitwise those of the run without failures. Every member also checked that
-    each replica equals its owner's shard (``identical``)."""
-    cfg = elastic.Config(job=elastic.SyntheticJob(steps=16), world_size=3, zero=zero, backend=backend, heartbeat=5.0,
-                         report_progress=True)
+def test_zero_heals_killed_members_shards_from_their_replicas():
+    """ZeRO-2 at 3 members on shm: slot 1 kills itself inside its optimizer update of step 3,
+    after the others applied theirs (nobody commits that step: they roll it back), and slot 2 is
+    killed by SIGKILL from here after step 8, wherever it is. Each replacement gets its optimizer
+    shard from its left neighbour's replica and its replica duty from its right neighbour, the
+    step is redone, and the final parameters and optimizer state are bitwise those of ZeRO-1
+    without failures (ZeRO-1 and 2 compute the same numbers: one launch less than a reference
+    of each). Every member also checked that each replica equals its owner's shard (``identical``)."""
+    cfg = elastic.Config(job=elastic.SyntheticJob(steps=12), world_size=3, zero=1, heartbeat=5.0, report_progress=True)
     ref = elastic.run(cfg, join_timeout=300)
-    if inside:
-        out = elastic.run(dataclasses.replace(cfg, crash_in_update=(6, 1)), join_timeout=300)
-        assert sum(r["undone"] for r in out.reports.values()) >= 1, out.reports
-    else:
-        out = elastic.run(cfg, [(6, 1, signal.SIGKILL)], join_timeout=300)
-    assert out.recoveries >= 1, out.events
+    out = elastic.run(dataclasses.replace(cfg, zero=2, crash_in_update=(3, 1)), [(8, 2, signal.SIGKILL)], join_timeout=300)
+    assert out.recoveries >= 2, out.events
+    assert sum(r["undone"] for r in out.reports.values()) >= 1, out.reports
     for outcome in (ref, out):
-        assert all(r["identical"] and r["steps"] == 16 for r in outcome.reports.values()), outcome.reports
+        assert all(r["identical"] and r["steps"] == 12 for r in outcome.reports.values()), outcome.reports
     a, b = ({"model": o.reports[0]["state"], "optimizer": o.reports[0]["optimizer"]} for o in (ref, out))
-    assert _same(a, b) and all("running_" not in k for k in a["model"])
+    assert all("running_" not in k for k in a["model"]) and _same(a, b)
