@@ -44,8 +44,10 @@ it healed). A non-holder receives its own shard from its replica holder and its 
 its owner (object broadcasts, bits unchanged); the all-gather of every owner's chunk then rebuilds
 the full parameters on every member, and the buffers come from the lowest holder. A shard whose
 two holders both died (or were replacements not yet healed) is lost: :class:`StateLostError`.
-A vote before the update would not avoid the undo copy: a member that lost the reduce-scatter
-has no gradient to roll forward with.
+Rolling forward alone would need a vote after the shift (a member votes once it has its
+gradients, so a vote that returned anywhere lets every live member roll forward): one more
+synchronisation per step instead of the copies; without it, a member that lost the
+reduce-scatter has no gradient to step with.
 
 *Why it stays bitwise.* The replica steps with the owner's gradient bits, from the same state
 bits, with the same element-wise arithmetic on pieces of the same lengths, so it equals the
