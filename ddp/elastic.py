@@ -1,7 +1,7 @@
 """Training that survives a member's death: the lost member is replaced, the step redone, and the
-run ends bitwise where the same run without failures ends (DDP; issue 44's loop, first form).
+run ends bitwise where the same run without failures ends (our DDP, ZeRO-1/2).
 
-:func:`run` starts the members on 127.0.0.1 and trains a :class:`Job` with our DDP on an
+:func:`run` starts the members on 127.0.0.1 and trains a :class:`Job` with our DDP (or ZeRO) on an
 :class:`~collectives.ElasticGroup`; each member killed or stopped from outside (SIGKILL,
 SIGSTOP) is replaced by a new process in its slot, which heals from a live peer. The main job
 runs this with ``python -m ddp.train --fault-tolerant``.
@@ -36,8 +36,50 @@ from the full world's; it is a function of the membership history ``[(step, slot
 carried and reported with it, and ``Config(schedule=history)`` replays it bitwise without
 failures (members outside a step's slots close, the others re-form without them).
 
-**Limits.** Our bucketed DDP only (ZeRO-1/2 shards would need a replica of each optimizer
-shard), a shrunk world does not grow back, and a member's own state outside the model and
+**ZeRO-1/2** (``Config(zero=1|2)``). Rank ``r`` alone holds the master values and optimizer
+state of chunk ``r`` of every bucket, and that state (momentum: a sum over every step) cannot be
+recomputed. So rank ``r`` also keeps a replica of rank ``r + 1``'s shard
+(:class:`ddp.zero.replica.ShardReplica`): a shard survives any single death. A step is
+
+1. forward and backward (the reduce-scatter: rank ``r`` gets its chunk's averaged gradient);
+2. the *shift*: rank ``r`` sends its pieces' gradients to ``r - 1`` and receives ``r + 1``'s (one
+   ``Ψ/n``-byte message each way: an ``all_to_all_single`` whose other splits are empty, so it
+   runs on the group's own transport), while it makes
+3. an undo copy of the own shard, the replica and the buffers; then the update of the replica
+   and of the own shard (local: no communication can fail here);
+4. the all-gather of the updated chunks: **the commit**. A step is committed on a member when its
+   all-gather returned there.
+
+*The commit rule.* An all-gather that returned on any member carried every member's updated
+chunk, so every member (the dead one too) had applied its update before: then every live member
+has either committed the step or applied it (*pending*). If no live member's all-gather
+returned, nobody committed it. Healing all-gathers ``(step, pending, holds)`` and decides:
+pending members keep their update when a member is one step ahead (roll forward), and restore
+their undo copy otherwise (roll back). Either way every live copy of every shard then stands at
+the same committed step: its owner's, and its replica holder's (a replacement holds nothing until
+it healed). A non-holder receives its own shard from its replica holder and its replica from
+its owner (object broadcasts, bits unchanged); the all-gather of every owner's chunk then rebuilds
+the full parameters on every member, and the buffers come from the lowest holder. A shard whose
+two holders both died (or were replacements not yet healed) is lost: :class:`StateLostError`.
+Rolling forward alone would need a vote after the shift (a member votes once it has its
+gradients, so a vote that returned anywhere lets every live member roll forward): one more
+synchronisation per step instead of the copies; without it, a member that lost the
+reduce-scatter has no gradient to step with.
+
+*Why it stays bitwise.* The replica steps with the owner's gradient bits, from the same state
+bits, with the same element-wise arithmetic on pieces of the same lengths, so it equals the
+owner's shard after every step (every run checks it at the end: SHA-256 of each replica against
+its owner's shard, part of ``identical``); undo copies and transfers are bits. So every shard
+is its failure-free state at the committed step, and the redo is the failure-free step.
+
+*Cost when nothing fails* (``n`` members, ``Ψ`` parameter bytes): the shift, ``Ψ/n`` bytes per
+member on top of the step's ``2(n-1)/n · Ψ``; the replica's update (element-wise, over ``Ψ/n``);
+the undo copy (a ``memcpy`` of the own shard and the replica: parameters and state); memory for a
+second shard and the undo copy (measured: docs/DESIGN.md §5, ``scripts/bench_ft_zero.py``). Our
+ZeRO-1 reduce-scatters too, so it needs the shift as much as ZeRO-2.
+
+**Limits.** DDP and ZeRO-1/2 (ZeRO-3 would need replicas of the parameter chunks too); shrink
+mode with DDP only; a shrunk world does not grow back; a member's own state outside the model and
 optimizer must be a function of the step or carried in the healed state (as the sampler
 position and RNG are here). Buffers
 (BatchNorm's running statistics): a lost attempt's updates are rolled back, and healing copies
@@ -50,6 +92,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -69,6 +112,8 @@ from collectives.launch import configure_logging, is_stopped, set_parent_death_s
 from data import DistributedSampler
 
 from .distributed import DistributedDataParallel
+from .zero import ZeroDataParallel, ZeroRedundancyOptimizer
+from .zero.replica import Shard, ShardReplica, piece_gradients
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +203,21 @@ class Config:
     shrink: bool = False  # no replacement within respawn_wait: go on with fewer members (an EpochJob)
     schedule: tuple[tuple[int, tuple[int, ...]], ...] = ()  # shrink: (step, slots) changes to apply, no failures
     report_progress: bool = False  # publish each committed step (for chaos at given steps)
+    zero: int = 0  # 0: our bucketed DDP; 1, 2: ZeRO-1/2 with a replica of each optimizer shard
+    # (step, slot): ZeRO: the slot's first member SIGKILLs itself inside that step's update, after
+    # its replica's update, before its own (tests: the others then hold updates nobody commits)
+    crash_in_update: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2):
+            raise ValueError(
+                f"ddp.elastic.Config: zero={self.zero!r}: the fault-tolerant loop runs DDP (0) or ZeRO-1/2 (1, 2); ZeRO-3 "
+                "shards the parameters too, which would need a replica of every parameter chunk: use zero=2"
+            )
+        if self.zero and self.world_size < 2:
+            raise ValueError("ddp.elastic.Config: ZeRO keeps each shard's replica on another member: world_size >= 2")
+        if self.zero and (self.shrink or self.schedule):
+            raise ValueError("ddp.elastic.Config: shrink mode runs our DDP only: drop shrink or use zero=0")
         if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
             raise ValueError(f"ddp.elastic.Config: spares must be an int >= 0, got {self.spares!r}")
         if self.max_respawns is not None and (not isinstance(self.max_respawns, int) or self.max_respawns < 0):
@@ -199,27 +257,227 @@ def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer,
     return ahead
 
 
+class _Trainer:
+    """How a member trains one step, heals and reports: our DDP (:class:`_Replicated`) or
+    ZeRO-1/2 with shard replicas (:class:`ShardedTrainer`). Both roll back the buffers of an attempt
+    that failed before its update (its forward changed BatchNorm's running statistics)."""
+
+    def __init__(self, cfg: Config, model: nn.Module) -> None:
+        self.cfg, self.model = cfg, model
+        self.before: list[torch.Tensor] | None = None  # buffers before the attempt in flight
+
+    def snapshot_buffers(self) -> list[torch.Tensor]:
+        self.before = [b.detach().clone() for b in self.model.buffers()]
+        return self.before
+
+    @torch.no_grad()
+    def restore_buffers(self, saved: list[torch.Tensor]) -> None:
+        for b, old in zip(self.model.buffers(), saved):
+            b.copy_(old)
+
+
+class _Replicated(_Trainer):
+    """Our bucketed DDP: every member holds the whole state; healing copies the most advanced
+    member's (:func:`heal`)."""
+
+    def __init__(self, cfg: Config, model: nn.Module) -> None:
+        super().__init__(cfg, model)
+        self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+        self.ddp: DistributedDataParallel | None = None
+
+    def heal(self, group: collectives.Group, step: int, extra: dict[str, Any] | None = None) -> int:
+        return heal(group, self.model, self.opt, step, extra)
+
+    def step(self, group: collectives.Group, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        if self.ddp is None:
+            self.ddp = DistributedDataParallel(self.model, group=group, bucket_cap_mb=self.cfg.bucket_mb, init_sync=False)
+        self.opt.zero_grad(set_to_none=True)
+        self.snapshot_buffers()  # the attempt's forward updates them
+        nn.functional.cross_entropy(self.ddp(x), y).backward()
+        self.before = None
+        self.opt.step()
+
+    def abandon(self) -> None:
+        if self.before is not None:  # the lost attempt leaves no trace: its redo updates them once
+            self.restore_buffers(self.before)
+            self.before = None
+        self.close()
+
+    def close(self) -> None:
+        if self.ddp is not None:
+            self.ddp.remove_hooks()
+            self.ddp = None
+
+    def final(self, group: collectives.Group, first: bool) -> dict[str, Any]:
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(group.size())]
+        collectives.all_gather(every, flat, group=group)
+        identical = all(torch.equal(every[0], f) for f in every)
+        return {"identical": identical, "state": self.model.state_dict() if first else None,
+                "optimizer": self.opt.state_dict() if first else None}
+
+
+class ShardedTrainer(_Trainer):
+    """ZeRO-1/2 on the group, and a replica of the next rank's optimizer shard (module docstring:
+    *ZeRO-1/2*): a member's state is its own shard, the replica, and ``pending``, the undo copy
+    of a step whose update it applied but whose all-gather did not return."""
+
+    def __init__(self, cfg: Config, model: nn.Module, replacement: bool) -> None:
+        super().__init__(cfg, model)
+        self.holds = not replacement  # its shard and replica are the training state's (not yet: a replacement)
+        self.pending: dict[str, Any] | None = None
+        self.carry: dict[str, Any] | None = None  # own shard and replica between generations
+        self.zdp: ZeroDataParallel | None = None
+        self.replacement = replacement
+        self.undone = self.kept = 0  # steps in flight rolled back / kept at a heal
+
+    def _build(self, group: collectives.Group) -> None:
+        """ZeRO on this generation's group, the own shard and the replica as carried over (all or
+        nothing: a failure leaves the carried state as it was)."""
+        zdp = ZeroDataParallel(self.model, stage=self.cfg.zero, group=group, bucket_cap_mb=self.cfg.bucket_mb, init_sync=False)
+        try:
+            zopt = ZeroRedundancyOptimizer(zdp.parameters(), torch.optim.SGD, lr=self.cfg.lr, momentum=0.9)
+        except BaseException:
+            zdp.remove_hooks()
+            raise
+        own, replica = Shard.own(zdp, zopt), ShardReplica(zdp, zopt, (group.rank() + 1) % group.size())
+        if self.carry is not None:
+            own.load(self.carry["own"])
+            replica.load(self.carry["replica"])
+        self.zdp, self.zopt, self.own, self.replica, self.carry = zdp, zopt, own, replica, None
+        self.scratch: dict[str, Any] | None = None  # the step's message and undo tensors, reused
+
+    def heal(self, group: collectives.Group, step: int, extra: dict[str, Any] | None = None) -> int:
+        """(``extra``: shrink mode's, which ZeRO does not run.) Agree on the committed step, roll the step in flight forward or back, give every
+        non-holder its shard and replica from the live copies, then republish the parameters."""
+        self._build(group)
+        n, me = group.size(), group.rank()
+        info = torch.zeros(n, 3, dtype=torch.int64)
+        collectives.all_gather_into_tensor(info, torch.tensor([[step, self.pending is not None, self.holds]]), group=group)
+        steps, pending, holds = (info[:, c].tolist() for c in range(3))
+        lost = [k for k in range(n) if not holds[k] and not holds[k - 1]]
+        if lost:
+            raise StateLostError(
+                f"ddp.elastic: the optimizer shards of ranks {lost} are lost: their owner and the rank holding their "
+                "replica both died (or were replacements that had not healed yet); restart from a checkpoint"
+            )
+        committed = max(steps[k] for k in range(n) if holds[k])
+        odd = [k for k in range(n) if holds[k] and steps[k] != committed and not (steps[k] == committed - 1 and pending[k])]
+        if odd:  # a member behind without its update: a live member cannot have committed past it
+            raise RuntimeError(f"ddp.elastic: inconsistent members after a failure (step, pending, holds by rank: {info.tolist()})")
+        if self.pending is not None:
+            if step == committed:  # nobody's all-gather of this step returned: undo it
+                self.own.load(self.pending["own"])
+                self.replica.load(self.pending["replica"])
+                self.restore_buffers(self.pending["buffers"])
+                self.undone += 1
+                log.info("step %d: its update rolled back (no member committed it)", step)
+            else:  # some member's returned: every member had applied its update, ours is the committed one
+                self.kept += 1
+                log.info("step %d: its update kept (a member committed it)", step)
+            self.pending = None
+        for k in range(n):  # shard k lives on rank k (its owner) and rank k - 1 (its replica)
+            holder = (k - 1) % n
+            for to, src, shard in ((k, holder, "replica"), (holder, k, "own")):
+                if not holds[to]:
+                    obj = [getattr(self, shard).state() if me == src else None]
+                    collectives.broadcast_object_list(obj, src=group.ranks[src], group=group)
+                    if me == to:
+                        (self.own if shard == "replica" else self.replica).load(obj[0])
+        self.zdp.publish()  # every chunk from its owner: the full parameters of the committed step
+        src = min(k for k in range(n) if holds[k])  # buffers (BatchNorm's statistics): as DDP's heal
+        buffers = [[b.detach().clone() for b in self.model.buffers()] if me == src else None]
+        collectives.broadcast_object_list(buffers, src=group.ranks[src], group=group)
+        self.restore_buffers(buffers[0])
+        self.holds = True
+        return committed
+
+    def step(self, group: collectives.Group, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        assert self.zdp is not None
+        self.zopt.zero_grad(set_to_none=True)
+        buffers = self.snapshot_buffers()
+        nn.functional.cross_entropy(self.zdp(x), y).backward()  # reduce-scatters the gradients
+        if self.scratch is None:  # kept from step to step: no fresh pages every step
+            self.scratch = {"grads": torch.empty(sum(t.numel() for t in self.own.tensors)),
+                            "incoming": torch.empty(self.replica.numel()), "undo": None}
+        grads, incoming = piece_gradients(self.zopt, self.scratch["grads"]), self.scratch["incoming"]
+        n, me = group.size(), group.rank()
+        send, receive = [0] * n, [0] * n  # the gradient chunk to the replica holder, on the group's own
+        send[(me - 1) % n], receive[(me + 1) % n] = grads.numel(), incoming.numel()  # transport (shm: no TCP)
+        shift = collectives.all_to_all_single(incoming, grads, receive, send, group=group, async_op=True)
+        undo = self.scratch["undo"] or {"own": None, "replica": None}  # made while it flies
+        undo = {"own": self.own.state(undo["own"]), "replica": self.replica.state(undo["replica"]), "buffers": buffers}
+        shift.wait()
+        self.pending, self.before = undo, None
+        self.replica.step(incoming)
+        if self.cfg.crash_in_update == (step, me) and not self.replacement:  # rank = slot: the world is full
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.zopt.step()  # the own shard's update, then the all-gather of the parameters: the commit
+        self.scratch["undo"], self.pending = self.pending, None
+
+    def abandon(self) -> None:
+        if self.before is not None:  # failed before its update: as for DDP
+            self.restore_buffers(self.before)
+            self.before = None
+        if self.zdp is not None and self.holds:
+            self.carry = {"own": self.own.state(), "replica": self.replica.state()}
+        self.close()
+
+    def close(self) -> None:
+        if self.zdp is not None:
+            self.zdp.remove_hooks()
+            self.zdp = None
+
+    def final(self, group: collectives.Group, first: bool) -> dict[str, Any]:
+        """Identical parameters everywhere and every replica equal to its owner's shard (digests);
+        rank 0 (``first``) gets the full model and optimizer state (collective)."""
+        assert self.zdp is not None
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(group.size())]
+        collectives.all_gather(every, flat, group=group)
+        digests: list[Any] = [None] * group.size()
+        collectives.all_gather_object(digests, (_digest(self.own.state()), _digest(self.replica.state())), group=group)
+        n = group.size()
+        identical = all(torch.equal(every[0], f) for f in every) and all(digests[k][1] == digests[(k + 1) % n][0] for k in range(n))
+        state = self.zdp.full_state_dict()
+        self.zopt.consolidate_state_dict(group.ranks[0])
+        return {"identical": identical, "state": state if first else None,
+                "optimizer": self.zopt.state_dict() if first else None, "undone": self.undone, "kept": self.kept}
+
+
+def _digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a shard's state (:meth:`ddp.zero.replica.Shard.state`), bits of every tensor."""
+    h = hashlib.sha256()
+    for t in state["chunks"]:
+        h.update(t.numpy().tobytes())
+    for entry in state["optimizer"]:
+        for k in sorted(entry):
+            v = entry[k]
+            h.update(k.encode() + (v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode()))
+    return h.hexdigest()
+
+
 @dataclasses.dataclass
 class Prepared:
     """What a member builds before it needs its slot: a warm spare builds it ahead of time."""
 
     store: dist.TCPStore
     model: nn.Module
-    opt: torch.optim.Optimizer
+    trainer: _Replicated | ShardedTrainer
 
 
-def prepare(cfg: Config, port: int, warm_up: bool = False) -> Prepared:
-    """Connect to the store and build the model and optimizer. ``warm_up`` (a spare): also load
+def prepare(cfg: Config, port: int, replacement: bool, warm_up: bool = False) -> Prepared:
+    """Connect to the store and build the model and its trainer. ``warm_up`` (a spare): also load
     a batch and run a forward and backward pass once, so the first step after taking a slot finds
     the data loaded and autograd's kernels ready (healing overwrites the buffers it touched)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout * 2))
     model = cfg.job.model()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    trainer = ShardedTrainer(cfg, model, replacement) if cfg.zero else _Replicated(cfg, model)
     if warm_up:
         x, y = cfg.job.batch(0, 0, cfg.world_size)
         nn.functional.cross_entropy(model(x), y).backward()
-        opt.zero_grad(set_to_none=True)
-    return Prepared(store, model, opt)
+        model.zero_grad(set_to_none=True)
+    return Prepared(store, model, trainer)
 
 
 def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared | None = None,
@@ -228,8 +486,8 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
     what :func:`prepare` built (a warm spare's), else built here; ``on_commit``: called once,
     after this member's first committed step."""
     ready_made = ready is not None
-    ready = ready or prepare(cfg, port)
-    store, model, opt = ready.store, ready.model, ready.opt
+    ready = ready or prepare(cfg, port, replacement)
+    store, trainer = ready.store, ready.trainer
     if cfg.spares and not replacement:  # the run starts once its spares are ready
         store.wait([_GO])
     joining = time.monotonic()
@@ -240,15 +498,13 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
     extra: dict[str, Any] | None = {"cursor": (0, 0), "history": []} if cfg.shrink else None
     schedule = dict(cfg.schedule)
     stale = True  # every generation starts by healing: replacements may join the first one too
-    ddp: DistributedDataParallel | None = None
-    before: list[torch.Tensor] | None = None  # buffers before the step in flight
     seconds: list[tuple[float, float]] = []  # wall and CPU time of each committed step (ddp.bench_elastic)
     try:
         while True:
             try:
                 if stale:
                     healing = time.monotonic()
-                    step = heal(eg.group, model, opt, step, extra)
+                    step = trainer.heal(eg.group, step, extra)
                     stale = False
                     log.info("generation %d: healed to step %d in %.3fs", eg.generation, step, time.monotonic() - healing)
                     if extra is not None:
@@ -259,25 +515,17 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
                     if slot not in schedule[step]:
                         log.info("step %d: leaving, as the schedule says", step)
                         return {"slot": slot, "uid": eg.me.uid, "left_at": step, "identical": True}
+                    trainer.close()
                     eg.reform(allow_shrink=True, wait=0)  # without the members the schedule drops
-                    if ddp is not None:
-                        ddp.remove_hooks()
-                        ddp = None
                     stale = True
                     continue
-                if ddp is None:
-                    ddp = DistributedDataParallel(model, group=eg.group, bucket_cap_mb=cfg.bucket_mb, init_sync=False)
                 begun = time.perf_counter(), time.process_time()
                 if extra is None:
                     x, y = cfg.job.batch(step, slot, cfg.world_size)
                 else:  # shrink mode: the epoch's rows not consumed yet, shared by this generation's members
                     x, y = cfg.job.batch_at(*extra["cursor"], eg.rank(), eg.size())
                 torch.manual_seed(cfg.seed * 1_000_003 + slot * 10_007 + step)
-                opt.zero_grad(set_to_none=True)
-                before = [b.detach().clone() for b in model.buffers()]  # the attempt's forward updates them
-                nn.functional.cross_entropy(ddp(x), y).backward()
-                before = None
-                opt.step()
+                trainer.step(eg.group, x, y, step)
                 step += 1
                 seconds.append((time.perf_counter() - begun[0], time.process_time() - begun[1]))
                 if on_commit is not None:
@@ -289,31 +537,17 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
                     store.set(f"ringddp/ddp-elastic/progress/{slot}", f"{step}:{eg.generation}")
             except collectives.CollectiveError as exc:
                 log.warning("step %d failed (%s); re-forming", step, str(exc).splitlines()[0][:160])
-                if before is not None:  # the lost attempt leaves no trace: its redo updates them once
-                    with torch.no_grad():
-                        for b, old in zip(model.buffers(), before):
-                            b.copy_(old)
-                    before = None
-                if ddp is not None:
-                    ddp.remove_hooks()
-                    ddp = None
+                trainer.abandon()
                 started = time.monotonic()
                 failed += 1
                 eg.reform(allow_shrink=cfg.shrink, wait=cfg.respawn_wait)
                 stale = True
                 log.info("generation %d formed in %.2fs", eg.generation, time.monotonic() - started)
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        every = [torch.empty_like(flat) for _ in range(eg.size())]
-        collectives.all_gather(every, flat, group=eg.group)
-        identical = all(torch.equal(every[0], f) for f in every)
-        first = eg.rank() == 0  # slot 0, unless shrink mode dropped it
-        return {"slot": slot, "uid": eg.me.uid, "generation": eg.generation, "identical": identical,
-                "steps": step, "failed_steps": failed, "step_seconds": seconds, "state": model.state_dict() if first else None,
-                "optimizer": opt.state_dict() if first else None, "spare": ready_made,
-                "history": extra["history"] if extra is not None else None}
+        return {"slot": slot, "uid": eg.me.uid, "generation": eg.generation, "steps": step, "failed_steps": failed,
+                "step_seconds": seconds, "spare": ready_made, "history": extra["history"] if extra is not None else None,
+                **trainer.final(eg.group, eg.rank() == 0)}  # rank 0: slot 0, unless shrink mode dropped it
     finally:
-        if ddp is not None:
-            ddp.remove_hooks()
+        trainer.close()
         eg.close()
 
 
@@ -346,7 +580,7 @@ def _child(cfg: Config, port: int, slot: int | None, replacement: bool, conn) ->
     ready = None
     try:
         if slot is None:
-            ready = prepare(cfg, port, warm_up=True)
+            ready = prepare(cfg, port, replacement=True, warm_up=True)
             send("ready", None)
             slot = pickle.loads(conn.recv_bytes())
         configure_logging(slot)

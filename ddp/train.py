@@ -538,7 +538,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                    help="refuse to resume: fail if --checkpoint-dir already holds a checkpoint")
     p.add_argument("--save-state", metavar="OUT.pt", help="write rank 0's final model and optimizer state dicts (torch.save)")
     p.add_argument("--fault-tolerant", action="store_true",
-                   help="survive members killed or stopped from outside: replace them, redo the lost step (bucketed DDP, one host)")
+                   help="survive members killed or stopped from outside: replace them, redo the lost step (bucketed DDP "
+                        "or --zero 1|2, one host)")
     p.add_argument("--heartbeat", type=float, default=2.0, help="--fault-tolerant: seconds of silence that make a member dead")
     p.add_argument("--spares", metavar="K", type=int, default=0,
                    help="--fault-tolerant: warm spares kept ready to take a lost member's slot (default 0: start a new process)")
@@ -555,11 +556,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if a.shrink and a.zero:
         p.error("--shrink re-partitions bucketed DDP (--zero 0) over fewer members; drop --shrink or --zero")
     if a.fault_tolerant:
-        clash = [flag for flag, on in [("--naive", a.naive), ("--zero", a.zero), ("--torch-ddp", a.torch_ddp),
+        if a.zero == 3:
+            p.error("--fault-tolerant runs ZeRO-1/2 (a replica of each optimizer shard on the next rank), not ZeRO-3, "
+                    "whose parameter shards would need replicas too: use --zero 2 (or 1, or 0 for DDP)")
+        clash = [flag for flag, on in [("--naive", a.naive), ("--torch-ddp", a.torch_ddp),
                                        ("--accum", a.accum != 1), ("--data scatter", a.data == "scatter"),
                                        ("--checkpoint-dir", a.checkpoint_dir), ("--trace", a.trace), ("--plot", a.plot)] if on]
         if clash:
-            p.error(f"--fault-tolerant runs bucketed DDP with --data sampler and --accum 1; drop {', '.join(clash)}")
+            p.error(f"--fault-tolerant runs bucketed DDP or ZeRO-1/2 with --data sampler and --accum 1; drop {', '.join(clash)}")
         if resolve_backend(a.backend) not in ("auto", "shm", "p2p"):
             p.error(f"--fault-tolerant re-forms groups on the shm and p2p backends (or auto), not {a.backend}")
         if a.world_size < 2 or not a.heartbeat > 0:
@@ -598,7 +602,7 @@ def fault_tolerant(cfg: Config) -> int:
     ecfg = elastic.Config(job=job, world_size=cfg.world_size, lr=cfg.lr, bucket_mb=cfg.bucket_mb, seed=cfg.seed,
                           backend=resolve_backend(cfg.backend), heartbeat=cfg.heartbeat, timeout=cfg.timeout,
                           spares=cfg.spares, shrink=cfg.shrink, max_respawns=cfg.max_respawns,
-                          respawn_wait=cfg.respawn_wait)
+                          respawn_wait=cfg.respawn_wait, zero=cfg.zero)
     started = time.monotonic()
     try:
         out = elastic.run(ecfg)
@@ -609,7 +613,7 @@ def fault_tolerant(cfg: Config) -> int:
         log.error("ringddp-train: the members' parameters differ")
         return 1
     first = next(r for r in out.reports.values() if r["state"] is not None)  # rank 0 of the last generation
-    if cfg.save_state:
+    if cfg.save_state:  # ZeRO's optimizer state comes consolidated: a plain SGD's state dict
         model = job.model()
         model.load_state_dict(first["state"])
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
@@ -618,8 +622,8 @@ def fault_tolerant(cfg: Config) -> int:
     redone = sum(r["failed_steps"] for r in out.reports.values())
     if cfg.shrink:
         log.info("membership (from step: slots): %s", ", ".join(f"{s}: {list(k)}" for s, k in first["history"]))
-    log.info("done: fault-tolerant bucketed DDP, %d ranks: %d steps in %.1fs; parameters identical on every rank; "
-             "%d members replaced, %d step attempts redone", len(out.reports), first["steps"], time.monotonic() - started,
+    log.info("done: fault-tolerant %s, %d ranks: %d steps in %.1fs; parameters identical on every rank; "
+             "%d members replaced, %d step attempts redone", mode_name(cfg), len(out.reports), first["steps"], time.monotonic() - started,
              out.recoveries, redone)
     return 0
 

@@ -1,6 +1,6 @@
 """Soak the fault-tolerant loop: kill and stop members at random steps, then report.
 
-    python scripts/chaos.py --world-size 3 --steps 600 --events 20 --seed 0
+    python scripts/chaos.py --world-size 3 --steps 600 --events 20 --seed 0 [--zero 2]
     python scripts/chaos.py --world-size 2 --steps 4000 --events 30 --signals kill --spares 1   # recovery table
 
 Runs ``ddp.elastic.run`` twice on the synthetic job: once without failures (the reference and
@@ -41,12 +41,13 @@ def main() -> int:
     p.add_argument("--signals", default="both", choices=["kill", "stop", "both"])
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the failure-free run (recovery times only: no goodput, no bitwise check)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="0: DDP; 1, 2: ZeRO-1/2 with shard replicas")
     a = p.parse_args()
     if a.spares < 0:
         p.error("--spares must be >= 0")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     cfg = elastic.Config(job=elastic.SyntheticJob(steps=a.steps), world_size=a.world_size, backend=a.backend,
-                         heartbeat=a.heartbeat, report_progress=True, spares=a.spares)
+                         heartbeat=a.heartbeat, report_progress=True, spares=a.spares, zero=a.zero)
     kinds = {"kill": [signal.SIGKILL], "stop": [signal.SIGSTOP], "both": [signal.SIGKILL, signal.SIGSTOP]}[a.signals]
     rnd = random.Random(a.seed)
     chaos = sorted((rnd.randrange(1, a.steps - 1), rnd.randrange(a.world_size), rnd.choice(kinds))

@@ -82,7 +82,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("ddp.zero.memory",),
     ("ddp.zero.model",),
     ("ddp.zero.optimizer",),
-    ("ddp.zero.checkpoint",),
+    ("ddp.zero.checkpoint", "ddp.zero.replica"),
     ("ddp.zero",),
     ("ddp",),
     ("ddp.checkpoint", "ddp.elastic"),

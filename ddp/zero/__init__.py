@@ -5,7 +5,9 @@
 * :func:`save_checkpoint` / :func:`load_checkpoint` (``checkpoint.py``): one file per rank,
   loadable at another world size or stage;
 * :func:`memory_report` (``memory.py``): bytes of parameters, gradients and optimizer state per
-  rank, by tensor accounting.
+  rank, by tensor accounting;
+* ``replica.py``: a copy of another rank's optimizer shard kept current step by step (stages 1
+  and 2), what lets ``ddp.elastic`` survive a rank's death.
 
 How the shards are laid out: ``flat.py``; the parameter storage: ``units.py``; the
 reduce-scattered gradient buckets: ``buckets.py``. The stage ladder, its costs and its limits:

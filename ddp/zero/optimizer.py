@@ -276,7 +276,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             state = self.optim.state.get(t)
             if state:
                 local.setdefault(i, []).append((start, stop, {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}))
-        me = collectives.get_rank()
+        me = self.group.ranks[collectives.get_rank(self.group)]  # global, as ``to`` (any group, not only the default's)
         gathered: list[Any] | None = [None] * collectives.get_world_size(self.group) if me == to else None
         collectives.gather_object(local, gathered, dst=to, group=self.group)
         if gathered is None:

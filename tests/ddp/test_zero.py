@@ -578,6 +578,38 @@ def misuse_case(rank: int, world: int) -> dict[str, tuple[str, str]]:
     return out
 
 
+def replica_case(rank: int, world: int) -> dict[str, bool]:
+    """ddp.zero.replica: rank r's replica of rank r+1's shard, stepped with the gradients r+1
+    sends, stays bitwise equal to r+1's own shard (AdamW: state and parameter values matter)."""
+    from ddp.zero.replica import Shard, ShardReplica, piece_gradients
+
+    out = {}
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))  # chunks cut parameters unevenly
+        wrapped = ddp.ZeroDataParallel(net, stage=stage, bucket_cap_mb=0.0002)
+        opt = ddp.ZeroRedundancyOptimizer(wrapped.parameters(), torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        own, replica = Shard.own(wrapped, opt), ShardReplica(wrapped, opt, (rank + 1) % world)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            opt.zero_grad()
+            F.mse_loss(wrapped(torch.randn(5, 7, generator=g)), torch.randn(5, 3, generator=g)).backward()
+            grads = piece_gradients(opt)
+            incoming = grads.new_empty(replica.numel())
+            for work in collectives.batch_isend_irecv([collectives.P2POp(collectives.isend, grads, (rank - 1) % world),
+                                                       collectives.P2POp(collectives.irecv, incoming, (rank + 1) % world)]):
+                work.wait()
+            replica.step(incoming)
+            opt.step()
+        every: list[Any] = [None] * world
+        collectives.all_gather_object(every, (own.state(), replica.state()))
+        mine, theirs = every[(rank + 1) % world][0], every[rank][1]
+        out[f"stage {stage}"] = len(opt.optim.state) > 0 and all(torch.equal(a, b) for a, b in zip(mine["chunks"], theirs["chunks"])) and all(
+            state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+            for state_a, state_b in zip(mine["optimizer"], theirs["optimizer"]))
+    return out
+
+
 # ---------------------------------------------------------------------------- launches (cached)
 
 
@@ -600,6 +632,8 @@ def worker(rank: int, world: int, launch: str, ckpt_dir: str) -> dict[str, Any]:
         out["memory"] = memory_case(rank, world)
     if "ckpt-save" in extras:
         out["ckpt"] = ckpt_case(CKPT_SAVE if world == 2 else CKPT_FROM_4, rank, world, f"{ckpt_dir}/w{world}", None)
+    if "replica" in extras:
+        out["replica"] = replica_case(rank, world)
     if "reload" in extras:
         out["reload"] = reload_case(rank, world)
     if "misuse" in extras:
@@ -626,7 +660,7 @@ def restart_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
 # on p2p (world 1 on a subgroup), 4 ranks on shm (world 3 on a p2p subgroup), and the restart.
 LAUNCHES: dict[str, tuple[int, str, tuple[str, ...]]] = {
     "L2": (2, "p2p", ("torch", "mp", "memory", "ckpt-save", "reload", "misuse")),
-    "L4": (4, "shm", ("ckpt-save",)),
+    "L4": (4, "shm", ("ckpt-save", "replica")),
 }
 # run: (launch, world size, backend, bitwise equal to our DDP: 2 ranks, or shm)
 RUNS: dict[str, tuple[str, int, str, bool]] = {
@@ -781,6 +815,11 @@ def test_summon_full_params_keeps_the_masters(key: str, ckpt_dir: str) -> None:
 
 
 @pytest.mark.timeout(400)
+def test_shard_replica_stays_bitwise_equal_to_its_owner(ckpt_dir: str) -> None:
+    for rank, r in enumerate(results_of("L4", ckpt_dir)):
+        assert r["replica"] == {"stage 1": True, "stage 2": True}, f"rank {rank}: {r['replica']}"
+
+
 def test_memory_per_rank_by_tensor_accounting(ckpt_dir: str) -> None:
     ranks = results_of("L2", ckpt_dir)
     n = 2
