@@ -498,7 +498,9 @@ def _restart_store(rank: int, world_size: int, seconds: float) -> tuple[dist.Sto
     agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=seconds))
     round_ = _agree_round(agent, rank, world_size, seconds)
-    log.debug("rank %d/%d joins round %d of this torchrun job", rank, world_size, round_)
+    if round_ > 1:  # a restart; the agents' counts may differ, the round does not
+        log.info("rank %d of %d: start %d of this torchrun job's workers (this agent counts %s restarts)",
+                 rank, world_size, round_, env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return dist.PrefixStore(f"ringddp/round-{round_}/", agent), rank, world_size
 
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -300,6 +301,8 @@ def test_two_hosts_torchrun_nnodes_2_worker_killed_on_one_host(tmp_path, referen
             agents.append(net.popen(host, argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         text = kill_and_finish(agents, logs, tmp_path / "ckpt", "random:1", victim_agent=1)
     assert "resuming from" in text, text[-3000:]
+    starts = [re.findall(r"rank \d of 2: start (\d+) of this torchrun job's workers", log.read_text()) for log in logs]
+    assert starts[0] and starts[0][-1:] == starts[1][-1:], (starts, text[-3000:])  # the last workers of both hosts: one start
     assert equal(load(tmp_path / "state.pt"), reference)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert net.tag not in left, left
