@@ -156,8 +156,15 @@ def bench_restart(a: argparse.Namespace) -> dict[str, Any]:
                     times.append(time.monotonic() - t)
                     log.info("restart %d: %.2f s from the kill to resumed training", len(times), times[-1])
             finally:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
+                job.terminate()  # torchrun stops its workers (each in a session of its own) before it exits
+                try:
+                    job.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    for task in os.listdir(f"/proc/{job.pid}/task"):
+                        for child in Path(f"/proc/{job.pid}/task/{task}/children").read_text().split():
+                            os.kill(int(child), signal.SIGKILL)
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait()
     return {"restarts": len(times), "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 

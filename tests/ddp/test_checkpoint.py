@@ -90,7 +90,9 @@ def kill_and_finish(agents: list[subprocess.Popen], logs: list[Path], ckpt: Path
             assert a.wait(timeout=240) == 0, tails()
     finally:
         for a in agents:
-            if a.poll() is None:
+            if a.poll() is None:  # its workers run in sessions of their own: kill them first
+                for pid in workers(a.pid).values():
+                    os.kill(pid, signal.SIGKILL)
                 os.killpg(a.pid, signal.SIGKILL)
                 a.wait()
     return "\n".join(f.read_text() for f in logs)
