@@ -161,13 +161,13 @@ KILLS = [
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,args,kill", KILLS, ids=[f"{m}-{k.split(':')[0]}" for m, _, k in KILLS])
-def test_killed_worker_restarted_by_torchrun_ends_bitwise_equal(tmp_path, mode, args, kill, reference):
-    """SIGKILL one worker, at a seeded random moment after the first checkpoint or inside a chosen
-    phase (in a collective, at the optimizer step, inside backward with the later layers'
-    collectives running, with its checkpoint file written but the checkpoint not published):
-    torchrun restarts both, they resume from the newest complete checkpoint, and the final model
-    and optimizer state equal those of the uninterrupted run bit for bit."""
+@pytest.mark.parametrize("args,kill", [k[1:] for k in KILLS], ids=[f"{m}-{k.split(':')[0]}" for m, _, k in KILLS])
+def test_killed_worker_restarted_by_torchrun_ends_bitwise_equal(tmp_path, args, kill, reference):
+    """A worker SIGKILLs itself inside a chosen phase (in a collective, at the optimizer step,
+    inside backward with the later layers' collectives running, with its checkpoint file written
+    but the checkpoint not published): torchrun restarts both, they resume from the newest
+    complete checkpoint, and the final model and optimizer state equal those of the uninterrupted
+    run bit for bit."""
     state = torchrun_with_kill(tmp_path, kill, *args)
     assert equal(load(state), reference)
 
