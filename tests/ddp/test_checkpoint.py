@@ -255,8 +255,8 @@ def test_bad_input_fails_at_start_naming_the_file_and_touches_nothing(tmp_path, 
 
 @pytest.mark.timeout(420)
 def test_resume_at_another_world_size(tmp_path):
-    """Saved by 4 ranks 6 batches into the epoch, resumed by 2: the two ranks share the epoch's
-    remaining rows (1437 - 6 x 4 x 32 = 669: 11 batches each, not a whole epoch). A ZeRO-2
+    """Saved by 4 ranks 3 batches into the epoch, resumed by 2: the two ranks share the epoch's
+    remaining rows (1437 - 3 x 4 x 64 = 669: 6 batches each, not a whole epoch). A ZeRO-2
     checkpoint is resumed by ZeRO-3, every shard re-partitioned (4 -> 2, the parameters sharded
     too); the reference makes the same change of world size with our DDP (the replicated state).
     Both end in the same state bit for bit: at 4 ranks as at 2, DDP and every ZeRO stage step
@@ -264,14 +264,15 @@ def test_resume_at_another_world_size(tmp_path):
     states = []
     for name, saved_by, resumed_by in (("ddp", [], []), ("zero", ["--zero", "2"], ["--zero", "3"])):
         d, state = tmp_path / name / "ckpt", tmp_path / name / "state.pt"
-        out = run_train("-n", "4", "--epochs", "1", "--checkpoint-dir", str(d), "--checkpoint-every", "6", *saved_by)
+        common = ["--epochs", "1", "--batch-size", "64", "--checkpoint-dir", str(d)]
+        out = run_train("-n", "4", *common, "--checkpoint-every", "3", *saved_by)
         assert out.returncode == 0, out.stderr[-3000:]
-        shutil.rmtree(d / "step-00000012")  # the end of the epoch
-        out = run_train("-n", "2", "--epochs", "1", "--checkpoint-dir", str(d), "--save-state", str(state), *resumed_by)
+        shutil.rmtree(d / "step-00000006")  # the end of the epoch
+        out = run_train("-n", "2", *common, "--save-state", str(state), *resumed_by)
         assert out.returncode == 0, out.stderr[-3000:]
-        assert "resuming from " + str(d / "step-00000006") + " (step 6, saved by 4 ranks)" in out.stderr, out.stderr[-3000:]
-        assert "resumed at step 6: epoch 1, 6 batches into it" in out.stderr
-        assert json.loads((d / "step-00000017" / "MANIFEST.json").read_text())["world_size"] == 2
+        assert "resuming from " + str(d / "step-00000003") + " (step 3, saved by 4 ranks)" in out.stderr, out.stderr[-3000:]
+        assert "resumed at step 3: epoch 1, 3 batches into it" in out.stderr
+        assert json.loads((d / "step-00000009" / "MANIFEST.json").read_text())["world_size"] == 2
         states.append(load(state))
     assert equal(states[0], states[1])
 
