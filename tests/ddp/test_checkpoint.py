@@ -119,24 +119,29 @@ def torchrun_with_kill(tmp_path: Path, kill: str, *args: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """The uninterrupted run's final state: our DDP without checkpoints. At 2 ranks every mode
-    (ours, ZeRO-1/2/3, torch's DDP) ends in this state bit for bit: the same sums of two
-    gradients, averaged the same way, stepped elementwise by the same SGD."""
-    path = tmp_path_factory.mktemp("reference") / "ref.pt"
-    out = run_train("--epochs", EPOCHS, "--save-state", str(path))
+def trained(tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run of our DDP, checkpointing every 7 steps (steps 35, 42 and 46
+    kept in ``ckpt``), its final state in ``state.pt``."""
+    d = tmp_path_factory.mktemp("trained")
+    out = run_train("--epochs", EPOCHS, "--checkpoint-dir", str(d / "ckpt"), "--checkpoint-every", "7",
+                    "--save-state", str(d / "state.pt"))
     assert out.returncode == 0, out.stderr[-3000:]
-    return load(path)
+    assert sorted(p.name for p in (d / "ckpt").iterdir()) == ["step-00000035", "step-00000042", "step-00000046"]
+    return d
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> Path:
-    """A checkpoint directory of the 2-rank DDP run (steps 35, 42 and 46 kept)."""
-    d = tmp_path_factory.mktemp("trained") / "ckpt"
-    out = run_train("--epochs", EPOCHS, "--checkpoint-dir", str(d), "--checkpoint-every", "7")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(p.name for p in d.iterdir()) == ["step-00000035", "step-00000042", "step-00000046"]
-    return d
+def reference(trained) -> dict:
+    """The uninterrupted run's final state. At 2 ranks every mode (ours, ZeRO-1/2/3, torch's DDP)
+    ends in this state bit for bit: the same sums of two gradients, averaged the same way, stepped
+    elementwise by the same SGD; checkpoints (here every 7 steps, every 4 in the kill tests) change
+    nothing of it."""
+    return load(trained / "state.pt")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(trained) -> Path:
+    return trained / "ckpt"
 
 
 def copy_of(checkpoints: Path, tmp_path: Path, *steps: int) -> Path:
