@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 import warnings
 from typing import Callable, Sequence
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from . import debug, trace, wire
+from . import debug, faults, trace, wire
 from .backends import AUTO, Backend, get_backend, resolve_backend, select_backend
 from .engine import Engine
 from .errors import CollectiveError, CollectiveTimeoutError, timed_out, timeout_seconds
@@ -324,6 +325,7 @@ class Group:
                 try:
                     if grad:
                         _set_grad_enabled(False)  # torch.no_grad() without its ~1 µs of Python frames
+                    faults.reached("collective")
                     fn()
                 finally:
                     if grad:
@@ -477,12 +479,16 @@ def init_process_group(
 
 
 def _restart_store(rank: int, world_size: int, seconds: float) -> tuple[dist.Store | None, int, int]:
-    """Under torchrun with its agent's store (the default), that store with this restart's own key
-    prefix, and the rank and world size from the environment; elsewhere ``(None, rank, world_size)``.
+    """Under torchrun with its agent's store (the default), that store with this rendezvous round's
+    own key prefix, and the rank and world size from the environment; elsewhere
+    ``(None, rank, world_size)``.
 
-    The agent keeps one store for the whole job and hands every restart of the workers the same
+    The agents keep one store for the whole job and hand every restart of the workers the same
     ``MASTER_PORT``: without a prefix a restarted worker reads the keys of the attempt before it,
-    such as a dead peer's gloo address, and its rendezvous fails.
+    such as a dead peer's gloo address, and its rendezvous fails. The prefix cannot come from
+    ``TORCHELASTIC_RESTART_COUNT``: with several nodes the agent whose worker failed counts a
+    restart and the others, restarted for the membership change, do not. :func:`_agree_round`
+    gives every worker of one round the same fresh number instead.
     """
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -491,8 +497,59 @@ def _restart_store(rank: int, world_size: int, seconds: float) -> tuple[dist.Sto
     world_size = int(env["WORLD_SIZE"]) if world_size < 0 else world_size
     agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=seconds))
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"ringddp/attempt-{attempt}/", agent), rank, world_size
+    round_ = _agree_round(agent, rank, world_size, seconds)
+    if round_ > 1:  # a restart; the agents' counts may differ, the round does not
+        log.info("rank %d of %d: start %d of this torchrun job's workers (this agent counts %s restarts)",
+                 rank, world_size, round_, env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return dist.PrefixStore(f"ringddp/round-{round_}/", agent), rank, world_size
+
+
+def _agree_round(store: dist.Store, rank: int, size: int, seconds: float) -> int:
+    """A number that every rank of this start of the workers shares and no earlier start used.
+
+    Rank 0 draws it from a counter in the store (``add``). The others must not take an earlier
+    round's answer for it: the store still holds every key of the workers before them. So each
+    rank ``r`` says hello with a nonce of its own (``hello/r``); rank 0 answers every hello it
+    sees, stale or new, under that nonce (``welcome/<nonce>``), which only the rank that drew the
+    nonce waits for; it stops once every rank confirmed this round's number (``ready/r``), which
+    no earlier round can have written. All workers of the previous round are gone before the next
+    starts (the agents stop them before they rendezvous again), so nobody answers with an old
+    number. Cost: rank 0 polls ``2(N-1)`` keys until the last rank arrived; others one set, one
+    wait, one set.
+    """
+    deadline = time.monotonic() + seconds
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"ringddp/hello/{rank}", nonce)
+        welcome = f"ringddp/welcome/{nonce}"
+        if not wait_for_keys(store, [welcome], deadline):
+            raise CollectiveTimeoutError(
+                f"init: rank 0 did not answer rank {rank}'s hello (torchrun round agreement): "
+                f"{timed_out(seconds)}", op="init", peer=0)
+        round_ = int(store.get(welcome))
+        store.set(f"ringddp/ready/{rank}", str(round_))
+        return round_
+    round_ = store.add("ringddp/rounds", 1)
+    answered: dict[int, bytes] = {}
+    waiting = set(range(1, size))
+    pause = 0.0001
+    while waiting:
+        for r in sorted(waiting):
+            if store.check([f"ringddp/hello/{r}"]):
+                hello = store.get(f"ringddp/hello/{r}")
+                if answered.get(r) != hello:
+                    store.set(f"ringddp/welcome/{hello.decode()}", str(round_))
+                    answered[r] = hello
+            if store.check([f"ringddp/ready/{r}"]) and int(store.get(f"ringddp/ready/{r}")) == round_:
+                waiting.discard(r)
+        if waiting:
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"init: ranks {sorted(waiting)} did not join round {round_} of the torchrun job "
+                    f"(this is rank 0 of {size}): {timed_out(seconds)}", op="init", peer=min(waiting))
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+    return round_
 
 
 def _joined(text: str) -> str:

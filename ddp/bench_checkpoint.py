@@ -156,8 +156,15 @@ def bench_restart(a: argparse.Namespace) -> dict[str, Any]:
                     times.append(time.monotonic() - t)
                     log.info("restart %d: %.2f s from the kill to resumed training", len(times), times[-1])
             finally:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
+                job.terminate()  # torchrun stops its workers (each in a session of its own) before it exits
+                try:
+                    job.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    for task in os.listdir(f"/proc/{job.pid}/task"):
+                        for child in Path(f"/proc/{job.pid}/task/{task}/children").read_text().split():
+                            os.kill(int(child), signal.SIGKILL)
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait()
     return {"restarts": len(times), "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
@@ -189,6 +196,30 @@ def _worker(pid: int) -> int:
     raise RuntimeError("torchrun has no worker")
 
 
+def format_summary(summary: dict[str, Any]) -> str:
+    """The measurements as lines of text (what the bench prints; ``scripts/benchmarks.py`` renders
+    its stored JSON with this too)."""
+    lines = []
+    if "stall" in summary:
+        s = summary["stall"]
+        lines += [
+            f"checkpoint of {s['model']} at {s['world_size']} ranks: {s['bytes'] / 2**20:.1f} MiB "
+            f"(disk: {s['disk_mb_s']:.0f} MB/s with fsync)",
+            f"  step {s['step_ms']:.1f} ms; synchronous checkpoint {s['sync_write_ms']:.1f} ms",
+            f"  background: the step is held {s['stall_ms']:.1f} ms (save() {s['save_call_ms']:.1f} ms, the next optimizer "
+            f"step's wait for the copy the rest): {100 * s['stall_over_sync']:.1f} % of the synchronous write; the write "
+            f"then takes {s['write_wall_ms']:.0f} ms ({s['steps_during_write']:g} steps) and {s['write_cpu_ms']:.0f} ms "
+            f"of CPU, at nice 19 after the copy",
+            f"  overhead at --checkpoint-every {s['every']}: {100 * s['overhead']:.2f} % of the step "
+            f"({100 * s['overhead_with_write_cpu']:.2f} % counting all the write's CPU as lost)",
+        ]
+    if "restart" in summary:
+        r = summary["restart"]
+        lines.append(f"restart under torchrun, kill to resumed training: median {r['median_s']:.2f} s of {r['restarts']} "
+                     f"({r['min_s']:.2f} .. {r['max_s']:.2f})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ringddp-bench-checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", "-n", type=int, default=2)
@@ -206,21 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     summary: dict[str, Any] = {}
     if a.saves:
-        s = summary["stall"] = bench_stall(a)
-        log.info("checkpoint of %s at %d ranks: %.1f MiB (disk: %.0f MB/s with fsync)", s["model"], s["world_size"],
-                 s["bytes"] / 2**20, s["disk_mb_s"])
-        log.info("  step %.1f ms; synchronous checkpoint %.1f ms", s["step_ms"], s["sync_write_ms"])
-        log.info("  background: the step is held %.1f ms (save() %.1f ms, the next optimizer step's wait for the copy the "
-                 "rest): %.1f %% of the synchronous write; the write then takes %.0f ms (%g steps) and %.0f ms of CPU, "
-                 "at nice 19 after the copy", s["stall_ms"], s["save_call_ms"], 100 * s["stall_over_sync"],
-                 s["write_wall_ms"], s["steps_during_write"], s["write_cpu_ms"])
-        log.info("  overhead at --checkpoint-every %d: %.2f %% of the step (%.2f %% counting all the write's CPU as lost)",
-                 s["every"], 100 * s["overhead"], 100 * s["overhead_with_write_cpu"])
+        summary["stall"] = bench_stall(a)
     if a.restarts:
-        r = bench_restart(a)
-        summary["restart"] = r
-        log.info("restart under torchrun, kill to resumed training: median %.2f s of %d (%.2f .. %.2f)",
-                 r["median_s"], r["restarts"], r["min_s"], r["max_s"])
+        summary["restart"] = bench_restart(a)
+    log.info("%s", format_summary(summary))
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=1))
     return 0

@@ -71,6 +71,7 @@ import torch
 import torch.nn as nn
 
 import collectives
+from collectives import faults
 
 from .zero import ZeroDataParallel, ZeroRedundancyOptimizer
 from .zero.checkpoint import load_sharded_state_dict, sharded_state_dict
@@ -501,6 +502,7 @@ class Checkpointer:
         try:
             name = _rank_file(self.rank, self.world_size)
             done = {name: _save_hashed(payload, os.path.join(partial, name))}
+            faults.reached("checkpoint")  # a test's kill point: this rank's file written, the checkpoint not complete
             _write_atomic(os.path.join(partial, f"done-{self.rank}.json"), json.dumps(done).encode())
             if self.rank == 0:
                 self._finish(step, partial)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import collectives
-from collectives import ReduceOp, torch_backend, trace
+from collectives import ReduceOp, faults, torch_backend, trace
 from collectives.backends import backend_argument, describe_backends, device_type_of, resolve_backend, select_backend
 from collectives.transport.shm import ShmTransport
 from data import DistributedSampler, ScatterDataset
@@ -244,6 +244,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
     x_test, y_test = x_test.to(device), y_test.to(device)
     torch.manual_seed(cfg.seed + 1000 * rank)  # different initial weights: DDP's broadcast fixes them
     model: nn.Module = make_model(cfg.hidden).to(device)
+    faults.mark_backward(model[0])  # a test's kill point (collectives.faults); nothing unless armed
     if cfg.naive:
         broadcast_module(model)
     elif cfg.torch_ddp:  # torch's own DDP; its collectives reach ours through torch.distributed
@@ -301,6 +302,7 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
                         if cfg.naive:
                             all_reduce_gradients(model)
                         with trace.span("optimizer step", "train"):
+                            faults.reached("step")
                             optimizer.step()
                             memory = memory_report(model, optimizer)  # gradients and state are all there now
                             optimizer.zero_grad()

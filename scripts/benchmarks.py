@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from collectives import bench as collectives_bench  # noqa: E402 - after the path fix: the checkout's package
 from collectives.sizes import human_size  # noqa: E402
 from ddp import bench as ddp_bench  # noqa: E402
+from ddp import bench_checkpoint  # noqa: E402
 
 DATA = ROOT / "docs" / "bench"
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -87,6 +88,7 @@ SUITES: tuple[Suite, ...] = (
     Suite("ddp-mlp", "ddp.bench", ("--width", "1024", "--layers", "11", "--torch-stacks", "ddp-ringddp,ddp-ringddp-adopt", "--rounds", "20")),
     Suite("ddp-p2p", "ddp.bench", ("--backend", "p2p", "--bucket-mb", "25,inf")),
     Suite("zero", "ddp.bench", ("--zero", "1,2,3", "--optimizer", "adam", "--torch-stacks", "fsdp2", "--rounds", "10")),
+    Suite("checkpoint", "ddp.bench_checkpoint", ("--restarts", "10")),
 )  # fmt: skip
 BY_NAME = {s.name: s for s in SUITES}
 
@@ -242,6 +244,11 @@ def zero_table(record: dict[str, Any]) -> str:
     result = record["result"]
     return _code(ddp_bench.title(result) + "\n" + ddp_bench.format_table(result) + "\n\n"
                  + ddp_bench.format_zero_table(result))
+
+
+def checkpoint_summary(record: dict[str, Any]) -> str:
+    """A ``ddp.bench_checkpoint`` run as the bench prints it."""
+    return _code(bench_checkpoint.format_summary(record["result"]))
 
 
 def section(data: dict[str, dict[str, Any]], suite: str, *parts: Callable[[dict[str, Any]], str]) -> str:
@@ -479,6 +486,16 @@ with Adam; the second table is what each rank sent per step and held after `opti
 by tensor accounting ([zero.md](zero.md) explains the stages and their caveats)."""
 
 
+_CHECKPOINT = """\
+## Checkpoints and restarts
+
+`ddp.bench_checkpoint` ([DESIGN](DESIGN.md#checkpoints-and-restarts-ddpcheckpointpy)): the whole
+training state of `ddp.bench`'s model at 2 ranks under our DDP, checkpointed synchronously and in
+the background (how long a step is held up, the overhead at `--checkpoint-every 50`), and the
+main job under `torchrun --max-restarts 10` with a worker SIGKILLed 10 times: the time from the
+kill to the resumed job's first step."""
+
+
 def render_page(data: dict[str, dict[str, Any]]) -> str:
     """docs/benchmarks.md from the stored measurements."""
     barrier_skew = lambda record: f"Barrier exit skew: {skew(record)}."  # noqa: E731
@@ -515,6 +532,8 @@ def render_page(data: dict[str, dict[str, Any]]) -> str:
         section(data, "ddp-p2p", ddp_table),
         _ZERO,
         section(data, "zero", zero_table),
+        _CHECKPOINT,
+        section(data, "checkpoint", checkpoint_summary),
         suites_table(data),
     ]
     return "\n\n".join(parts) + "\n"

@@ -1,0 +1,89 @@
+"""Fault points: let a test kill a process at a chosen phase of its work, once per job.
+
+Tests of restarts need kills that land *inside* a phase (a collective, the backward pass, the
+optimizer step, a checkpoint write), which a kill from outside at a random moment hits only by
+chance. Code marks a phase with :func:`reached`; the environment arms one point::
+
+    RINGDDP_KILL_AT="<phase>:<n>:<rank>:<flag file>"
+
+makes the process whose ``RANK`` is ``<rank>`` SIGKILL itself the ``n``-th time it reaches
+``<phase>`` (counted per process from 1), after creating ``<flag file>``; a process that finds
+the flag file already there never fires, so a job restarted with the same environment (torchrun
+keeps it) is killed once. Unset, :func:`reached` costs one global lookup.
+
+Phases marked: ``"collective"`` (:meth:`collectives.group.Group.run`, with the call's header on
+the wire and before its data moves: the peers are inside the same collective), and whatever the
+layers above mark (``ddp.train``: ``"backward"``, ``"step"``; ``ddp.checkpoint``: ``"checkpoint"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "RINGDDP_KILL_AT"
+
+
+class _Point:
+    def __init__(self, text: str) -> None:
+        try:
+            phase, n, rank, flag = text.split(":", 3)
+            self.phase, self.n, self.rank, self.flag = phase, int(n), int(rank), flag
+        except ValueError:
+            raise ValueError(f"{ENV}={text!r}: expected '<phase>:<n>:<rank>:<flag file>'") from None
+        self.count = 0
+        self.lock = threading.Lock()
+
+
+def _armed() -> _Point | None:
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    point = _Point(text)
+    if int(os.environ.get("RANK", "0")) != point.rank or os.path.exists(point.flag):
+        return None
+    return point
+
+
+_point = _armed()
+
+
+def reached(phase: str) -> None:
+    """Mark that this process is now in ``phase``; SIGKILL it here if the armed point says so."""
+    point = _point
+    if point is None or point.phase != phase:
+        return
+    with point.lock:
+        point.count += 1
+        if point.count != point.n:
+            return
+        try:
+            fd = os.open(point.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, f"{phase} {point.n}\n".encode())
+        os.fsync(fd)
+        os.close(fd)
+        log.warning("fault point: killing this process in %s (%d-th time)", phase, point.n)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def mark_backward(module: torch.nn.Module) -> None:
+    """Reach ``"backward"`` whenever the gradient of ``module``'s output has been computed: the
+    backward pass is then past every later layer, whose gradients exist and whose buckets'
+    collectives may be running. Registers nothing unless the point is armed for ``"backward"``."""
+    if _point is None or _point.phase != "backward":
+        return
+
+    def forward_hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        if output.requires_grad:  # not under no_grad (evaluation)
+            output.register_hook(lambda _grad: reached("backward"))
+
+    module.register_forward_hook(forward_hook)
