@@ -26,7 +26,7 @@ PACKAGES = ("collectives", "data", "ddp")
 FLOORS: list[tuple[str, ...]] = [
     # foundations: errors, values, names; nothing of the package
     ("collectives.errors", "collectives.ops", "collectives.tuning", "collectives.topology",
-     "collectives.buffers", "collectives.sizes", "collectives.trace", "collectives.procfs"),
+     "collectives.buffers", "collectives.sizes", "collectives.trace", "collectives.procfs", "collectives.faults"),
     # what a call is: argument checks, signatures (DETAIL), handles and the FIFO queue
     ("collectives.validate", "collectives.debug", "collectives.work"),
     # the wire check's header and tags
