@@ -199,28 +199,35 @@ class Simulation:
             _current.set((self, task.rank))
             try:
                 task.result = body(task.rank)
-            except BaseException as exc:  # noqa: BLE001 - every failure is reported by run()
+            except Exception as exc:  # noqa: BLE001 - every failure is reported by run()
                 task.error = exc
                 failed.append(task)
-            finally:
+            finally:  # anything else (KeyboardInterrupt, a test's timeout) goes on to the hub: _abort
                 task.finished = True
 
         for task in tasks:
             task.glet = greenlet.greenlet(start, parent=self._hub)
             self._wake(task, self.now)
-        while True:
-            while self._heap:
-                when, _, task = heapq.heappop(self._heap)
-                self.now = when
-                self._running = task
-                task.glet.switch(task)  # starts the rank, or resumes it where it blocked
+        try:
+            while True:
+                while self._heap:
+                    when, _, task = heapq.heappop(self._heap)
+                    self.now = when
+                    self._running = task
+                    task.glet.switch(task)  # starts the rank, or resumes it where it blocked
+                self._running = None
+                stuck = [t for t in tasks if not t.finished]
+                if not stuck:
+                    break
+                self._break_deadlock(stuck, failed)
+        except BaseException as exc:
+            self._abort(exc, tasks)
+            raise
+        finally:
             self._running = None
-            stuck = [t for t in tasks if not t.finished]
-            if not stuck:
-                break
-            self._break_deadlock(stuck, failed)
-        self._sends.clear()
-        self._recvs.clear()
+            self._heap.clear()
+            self._sends.clear()
+            self._recvs.clear()
         if failed:
             first = failed[0].error
             assert first is not None
@@ -230,6 +237,26 @@ class Simulation:
                 first.add_note(f"[sim] {len(failed)} of {len(tasks)} virtual ranks failed: {summary}{more}")
             raise first
         return [t.result for t in tasks]
+
+    def _abort(self, exc: BaseException, tasks: list[_Task]) -> None:
+        """A rank was interrupted by something that is not its own failure (``KeyboardInterrupt``,
+        a test runner's timeout signal, ``SystemExit``; it lands in whichever rank runs): stop
+        the whole simulation and let ``exc`` propagate as itself, instead of reporting it as that
+        rank's error while the others run on. The ranks still suspended unwind now (their
+        ``finally`` blocks run), not whenever their greenlets are collected."""
+        import greenlet
+
+        running = self._running
+        if running is not None and hasattr(exc, "add_note"):
+            exc.add_note(
+                f"[sim] interrupted while virtual rank {running.rank} ran (virtual t={self.now:.6g}s); "
+                "the simulation stopped there"
+            )
+        for task in tasks:
+            if task.glet is not None and task.glet and not task.finished:
+                self._running = task
+                with contextlib.suppress(BaseException):
+                    task.glet.throw(greenlet.GreenletExit)
 
     def _break_deadlock(self, stuck: list[_Task], failed: list[_Task]) -> None:
         """No rank can run but ``stuck`` wait: throw each an error naming what it waits for."""

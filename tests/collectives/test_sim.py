@@ -225,6 +225,26 @@ def test_a_wait_that_cannot_end_raises_at_once_naming_the_peer() -> None:
         s.run(stuck)
 
 
+def test_an_interrupt_stops_the_simulation_as_itself() -> None:
+    """KeyboardInterrupt, a test runner's timeout signal: not the failure of the rank it lands in.
+    (A timed-out run at 1,021 ranks once read as "reduce_scatter_tensor failed at rank 866" while
+    the other ranks ran on: any rank running when the signal came got the blame.)"""
+    steps: list[int] = []
+
+    def body(rank: int, n: int) -> None:
+        dist.all_reduce(torch.ones(8), algorithm="ring")
+        if rank == 3:
+            raise KeyboardInterrupt("stop")
+        steps.append(rank)
+        dist.all_reduce(torch.ones(8), algorithm="ring")
+        steps.append(rank)
+
+    with pytest.raises(KeyboardInterrupt, match="stop") as info:
+        dist.launch(body, 8, backend="sim")
+    assert "interrupted while virtual rank 3 ran" in "".join(info.value.__notes__)
+    assert len(steps) < 2 * 7  # nobody finished the second all-reduce: the simulation stopped at once
+
+
 def test_ddp_step_hides_communication_behind_a_long_backward() -> None:
     net = Network(4, 2, INTRA, INTER)
     quick = ddp.simulate_step(net, 8 << 20, 2 << 20, backward_seconds=0.0)
