@@ -18,6 +18,7 @@ from collectives.costmodel import Link
 from collectives.sim import Network, Simulation, ddp, study
 from collectives.sim.__main__ import main
 from collectives.transport.sim import SimTransport
+from collectives.tuning import Tuning
 
 F64 = torch.float64
 
@@ -201,6 +202,23 @@ def test_timing_only_mode_times_like_the_real_buffer(op: str, algorithm: str) ->
     tiny = study.time_collective(net, op, nbytes, algorithm)[0]
     assert tiny.messages == exact.messages
     assert tiny.seconds == pytest.approx(exact.seconds, rel=1e-3)
+
+
+def test_reductions_cost_their_bytes_times_reduce_beta() -> None:
+    """A ring's n - 1 reduce-scatter steps each combine S/n bytes before sending them on: that
+    much more on the critical path; timing-only charges the bytes its stand-ins stand for."""
+    n, nbytes, per_byte = 4, 24 << 20, 0.5e-9
+    net = Network(n, 1, INTRA, INTER)
+    free = study.time_collective(net, "all_reduce", nbytes, "ring", exact=True)[0].seconds
+    charged = study.time_collective(net, "all_reduce", nbytes, "ring", exact=True, reduce_beta=per_byte)[0]
+    tiny = study.time_collective(net, "all_reduce", nbytes, "ring", reduce_beta=per_byte)[0]
+    segments = nbytes // n // Tuning().segment_bytes + 1  # 6 MiB chunks: 2 segments, the last one's combines wait
+    assert charged.seconds > free + (n - 1) * nbytes / n / segments * per_byte * (1 - 1e-9)
+    assert charged.seconds <= free + (n - 1) * nbytes / n * per_byte * (1 + 1e-9)
+    assert tiny.seconds == pytest.approx(charged.seconds, rel=1e-3)
+    one = study.time_collective(net, "all_reduce", 4 * 4000, "ring", exact=True, reduce_beta=per_byte)[0].seconds
+    alone = study.time_collective(net, "all_reduce", 4 * 4000, "ring", exact=True)[0].seconds
+    assert one == pytest.approx(alone + (n - 1) * 4000 * per_byte, rel=1e-9)  # one segment: every combine waits
 
 
 # ---------------------------------------------------------------------------- failures, DDP, CLI
