@@ -194,13 +194,17 @@ def validate(args: argparse.Namespace) -> None:
 
     The simulation runs what the measured run ran: the run's :class:`Tuning` (so the engine
     picks the same algorithms and segments), between hosts its ``net`` link, inside a host
-    :func:`intra_from_shm` of its ``shm`` link where it has one (else ``local``), and its
-    ``reduce`` link's β for every reduction (``Simulation(reduce_beta=...)``)."""
+    :func:`intra_from_shm` of its ``shm`` link where it has one (else ``local``; ``--intra
+    local`` forces it), and its ``reduce`` link's β for every reduction
+    (``Simulation(reduce_beta=...)``; ``--free-reductions``: none)."""
     with open(args.bench) as f:
         rows = json.load(f)
     links = links_from_bench(args.bench)
-    intra = intra_from_shm(links["shm"]) if "shm" in links else links.get("local", DEFAULT_INTRA)
-    reduce_beta = links["reduce"].beta if "reduce" in links else 0.0
+    if args.intra == "shm" and "shm" in links:
+        intra = intra_from_shm(links["shm"])
+    else:
+        intra = links.get("local", DEFAULT_INTRA)
+    reduce_beta = links["reduce"].beta if "reduce" in links and not args.free_reductions else 0.0
     print(f"# inter {links.get('net', DEFAULT_INTER)}; intra {intra}; reductions {reduce_beta * 1e9:.3f} ns/B")
     print(f"{'op':<12}{'n':>3}{'hosts':>6}{'size':>8}  {'algorithm':<19}{'measured us':>13}{'simulated us':>14}{'sim/meas':>10}")
     for row in rows:
@@ -249,6 +253,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     v = sub.add_parser("validate", help="simulated vs measured times of a collectives.bench --hosts --model run")
     v.add_argument("bench", help="the JSON of `collectives.bench --hosts H --model --json FILE`")
     v.add_argument("--hosts", type=int, required=True, help="the --hosts of that run")
+    v.add_argument("--intra", choices=("shm", "local"), default="shm",
+                   help="intra-host link: from the shared-memory fit (default, what the run's hierarchical phases use) "
+                        "or the transport's loopback fit")
+    v.add_argument("--free-reductions", action="store_true", help="reductions take no virtual time")
     v.set_defaults(fn=validate)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):

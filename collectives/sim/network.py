@@ -21,8 +21,11 @@ turns.
 
 Limits of the model (what it does not see): α is pure latency (a rank can have many messages in
 flight at once, each paying α without holding a link); the links of a path queue independently
-(no head-of-line blocking, no packet interleaving, infinite switch buffers); local reductions
-and copies take no time unless modelled with ``Simulation.sleep``; no congestion control, no
+(no head-of-line blocking, no packet interleaving, infinite switch buffers); a link serves its
+messages one after another (first come, first served), where TCP shares it between the flows
+in progress (a binomial broadcast's root posting two sends at once: FIFO ends the first at
+``Sβ``, fair sharing ends both at ``2Sβ``); reductions cost time only with
+``Simulation(reduce_beta=...)``, copies none; no congestion control, no
 adaptive routing, no PCIe or memory-bandwidth limits beyond the links above.
 """
 
