@@ -7,6 +7,7 @@ against the α/β formulas of the algorithms' docstrings.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -263,6 +264,19 @@ def test_an_interrupt_stops_the_simulation_as_itself() -> None:
     assert len(steps) < 2 * 7  # nobody finished the second all-reduce: the simulation stopped at once
 
 
+def test_async_collectives_complete_before_returning_on_virtual_ranks() -> None:
+    def body(rank: int, n: int) -> tuple[bool, float, list[float]]:
+        t = torch.ones(4)
+        start = sim.clock()
+        work = dist.all_reduce(t, async_op=True)
+        done, spent = work.is_completed(), sim.clock() - start
+        work.wait()
+        return done, spent, work.get_future().value()[0].tolist()
+
+    for done, spent, value in dist.launch(body, 4, backend="sim"):
+        assert done and spent > 0 and value == [4.0] * 4
+
+
 def test_ddp_step_hides_communication_behind_a_long_backward() -> None:
     net = Network(4, 2, INTRA, INTER)
     quick = ddp.simulate_step(net, 8 << 20, 2 << 20, backward_seconds=0.0)
@@ -313,3 +327,11 @@ def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, 
     main(["validate", str(path), "--hosts", "4"])
     simulated = 6 * (1e-4 + (1 << 20) / 4 * 8e-9) * 1e6  # 4 hosts of one rank: a ring over the net link
     assert f"{simulated:.0f}" in capsys.readouterr().out
+    # the run's own tuning: a broadcast of 16 MiB under chain_bytes 64 MiB is a binomial tree, not a chain
+    tree = dict(row, op="broadcast", bytes=16 << 20, algorithm="hierarchical", tuning=dataclasses.asdict(Tuning()),
+                shm_alpha=2e-5, shm_beta=3e-10, reduce_alpha=1e-6, reduce_beta=1e-10)
+    path.write_text(json.dumps([tree]))
+    main(["validate", str(path), "--hosts", "4"])
+    out = capsys.readouterr().out
+    assert "intra alpha 20.0 us, beta 0.600 ns/B" in out and "reductions 0.100 ns/B" in out
+    assert f"{2 * (1e-4 + (16 << 20) * 8e-9) * 1e6:.0f}" in out  # root's link: two sends; then one forward
