@@ -72,6 +72,7 @@ class Backend:
     auto_priority: int | None = None
     usable: Callable[[GroupInfo], bool] | None = None
     description: str = ""
+    threadless: bool = False
 
     def build(self, group: GroupInfo, device: torch.device) -> Engine:
         """The engine of ``group`` on ``device``.
@@ -116,6 +117,7 @@ def register_backend(
     usable: Callable[[GroupInfo], bool] | None = None,
     description: str = "",
     replace: bool = False,
+    threadless: bool = False,
 ) -> Backend:
     """Add a backend to the registry (on every rank: register at import time of your module).
 
@@ -141,6 +143,9 @@ def register_backend(
         replace: overwrite a backend of the same name instead of raising. (Registering again from
             the same lines of the same file, as when a script is imported both as ``__main__``
             and by name, replaces silently.)
+        threadless: its ranks cannot hand work to a communication thread (the virtual ranks of
+            ``sim``, greenlets of one thread): ``async_op=True`` runs the collective before the
+            call returns, and the handle it returns is complete.
 
     Raises:
         ValueError: a name or alias already taken, an unknown device type, or not exactly one
@@ -157,7 +162,7 @@ def register_backend(
         raise ValueError(f"register_backend({name!r}): pass exactly one of make_transport and make_engine")
     record = Backend(
         name, types, make_transport, make_engine, tuple(a.lower() for a in aliases), metadata_backend,
-        barrier_on_device, auto_priority, usable, description,
+        barrier_on_device, auto_priority, usable, description, threadless,
     )
     if name in _registry and (replace or _same_source(_registry[name], record)):
         unregister_backend(name)  # replaced, or the same file imported again (as __main__ and by name)
@@ -329,4 +334,5 @@ register_backend(
     "sim", "cpu",
     make_engine=lambda g, device: AlgorithmEngine(SimTransport.for_group(g), g.tuning, device, Layout.from_keys(g.hosts)),
     description="our algorithms on virtual ranks in one process, on a modelled network's virtual clock (collectives.sim)",
+    threadless=True,
 )

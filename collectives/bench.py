@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -401,8 +402,9 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     if links:
                         row["model_us"] = 1e6 * costmodel.predict(
                             op, size, layout, links["net"], links["local"], ours.tuning, algorithm, links.get("shm"))
-                        row["net_alpha"], row["net_beta"] = links["net"].alpha, links["net"].beta
-                        row["local_alpha"], row["local_beta"] = links["local"].alpha, links["local"].beta
+                        for kind, link in links.items():  # every fitted link: collectives.sim validate
+                            row[f"{kind}_alpha"], row[f"{kind}_beta"] = link.alpha, link.beta
+                        row["tuning"] = dataclasses.asdict(ours.tuning)  # what chose the algorithm
                     rows.append(row)
                     log.info("%s", format_row(row, check_cost=check_cost, shm=shm))
     return rows

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from . import shm_algorithms
+from .ops import ReduceOp, combine
 from .topology import Layout
 from .transport.base import SharedRegions, Transport, wait_all
 from .tuning import Tuning
@@ -146,44 +147,79 @@ def fit(samples: Sequence[tuple[int, float]]) -> Link:
     return Link(max(0.0, float(times[small] - beta * sizes[small])), beta)
 
 
+def reduce_times(sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[tuple[int, float]]:
+    """Times ``[(bytes, seconds)]`` of one float32 sum of ``S`` bytes into its first operand (what
+    a reduction step of an algorithm does: :func:`~collectives.ops.combine`), fastest of
+    ``iters`` after one warm-up. Its fit is the ``reduce`` link: ``β`` seconds per byte combined."""
+    samples = []
+    for nbytes in sizes:
+        a, b = torch.zeros(max(1, nbytes // 4)), torch.ones(max(1, nbytes // 4))
+        times = []
+        for i in range(iters + 1):
+            start = time.perf_counter()
+            combine(ReduceOp.SUM, a, b, out=a)
+            if i:
+                times.append(time.perf_counter() - start)
+        samples.append((a.numel() * 4, min(times)))
+    return samples
+
+
+#: the links :func:`measure` fits, in the order of its numbers
+LINK_KINDS = ("net", "local", "shm", "duplex", "reduce")
+
+
 def measure(
     transport: Transport, layout: Layout, regions: SharedRegions | None = None, sizes: Sequence[int] = PING_SIZES
 ) -> dict[str, Link]:
-    """Fit ``"net"``, ``"local"`` and (with ``regions``) ``"shm"`` links on every rank of the group
-    (all must call it).
+    """Fit ``"net"``, ``"local"``, ``"reduce"`` and, where they exist, ``"duplex"`` and ``"shm"``
+    links on every rank of the group (all must call it).
 
     ``net``: ping-pong between rank 0 and the first rank of host 1, the others idle (one stream
-    on the network, whose β is the host interface's). ``local``: the first two ranks of *every*
+    on the network, whose β is the host interface's). ``duplex``: the first ranks of hosts
+    ``2i`` and ``2i + 1`` exchange, every pair at once (:func:`exchange`: both directions of every
+    host's interface busy, as in a recursive-doubling step; emulated hosts that share a
+    machine's cores show what that costs them); rank 0's pair is fitted.
+    ``local``: the first two ranks of *every*
     host exchange at once over ``transport`` (:func:`exchange`), like the intra-host steps of a
     flat algorithm. A missing kind of link gets the other's fit. ``shm``: every host's ranks time
     :func:`copy_times` on their shared ``regions`` (this rank's host's; the hierarchical
-    algorithms' intra-host transport) at once; rank 0's host's fit is used. Rank 0 fits and sends
-    the numbers to all, so every rank returns the same links.
+    algorithms' intra-host transport) at once; rank 0's host's fit is used. ``reduce``: every
+    rank times :func:`reduce_times` at once (ranks share the cores); rank 0's fit. Rank 0 fits
+    and sends the numbers to all, so every rank returns the same links.
     """
     r = transport.rank
-    fits = torch.full((6,), math.nan, dtype=torch.float64)
+    fits = torch.full((2 * len(LINK_KINDS),), math.nan, dtype=torch.float64)
     fits[:4] = 0.0
-    if layout.spans_hosts:
-        samples = ping_pong(transport, 0, layout.hosts[1][0], sizes)
+
+    def keep(kind: str, samples: list[tuple[int, float]]) -> None:
         if r == 0:
-            fits[:2] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+            at = 2 * LINK_KINDS.index(kind)
+            fits[at : at + 2] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+
+    if layout.spans_hosts:
+        keep("net", ping_pong(transport, 0, layout.hosts[1][0], sizes))
+        leaders = [h[0] for h in layout.hosts[: len(layout.hosts) // 2 * 2]]  # host 2i with host 2i + 1
+        partners = {a: b for x, y in zip(leaders[::2], leaders[1::2]) for a, b in ((x, y), (y, x))}
+        keep("duplex", exchange(transport, partners.get(r), sizes))
     if len(layout.hosts[0]) > 1:
         pair = layout.local(r)[:2]
-        samples = exchange(transport, pair[1 - pair.index(r)] if r in pair else None, sizes)
-        if r == 0:
-            fits[2:4] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+        keep("local", exchange(transport, pair[1 - pair.index(r)] if r in pair else None, sizes))
     if regions is not None:
-        samples = copy_times(regions, sizes)
-        if r == 0:
-            fits[4:] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+        keep("shm", copy_times(regions, sizes))
+    keep("reduce", reduce_times(sizes))
     if r == 0:
         wait_all(transport.post(sends=[(fits, peer) for peer in range(1, transport.world_size)]))
     else:
         transport.recv(fits, 0)
-    net, local = Link(*fits[:2].tolist()), Link(*fits[2:4].tolist())
-    links = {"net": net if layout.spans_hosts else local, "local": local if len(layout.hosts[0]) > 1 else net}
-    if not math.isnan(fits[4]):
-        links["shm"] = Link(*fits[4:].tolist())
+    found = {kind: Link(*fits[2 * i : 2 * i + 2].tolist()) for i, kind in enumerate(LINK_KINDS)}
+    links = {
+        "net": found["net"] if layout.spans_hosts else found["local"],
+        "local": found["local"] if len(layout.hosts[0]) > 1 else found["net"],
+        "reduce": found["reduce"],
+    }
+    for kind in ("shm", "duplex"):
+        if not math.isnan(found[kind].alpha):
+            links[kind] = found[kind]
     return links
 
 

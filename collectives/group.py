@@ -120,6 +120,8 @@ class Group:
         debug.read_environment()  # the checking level: an unknown $RINGDDP_DEBUG raises here
         self.mailbox = Mailbox(self.ranks, lambda: TorchP2PTransport(process_group, self._rank, timeout, tag=USER_TAG))
         self._executor = Executor(name)
+        # no communication thread (virtual ranks): async collectives complete before returning
+        self._threadless = backend != AUTO and get_backend(backend).threadless
         self._failure: CollectiveError | None = None  # the first communication failure
         self._creator = threading.current_thread()  # its calls carry thread code 0 (collectives.wire)
         # compared first in _issuer: one C call instead of current_thread() (None: made on a communication thread)
@@ -342,7 +344,7 @@ class Group:
         if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
             log.debug("%s on %s (rank %d)", debug.describe(signature), self.name, self._rank)
         if async_op:
-            return self._executor.submit(Work(name, result), run, True, issuer)
+            return self._executor.submit(Work(name, result), run, not self._threadless, issuer)
         self._executor.call(name, run, issuer)  # inline when nothing is queued: no handle, no thread hop
         return None
 
@@ -363,7 +365,7 @@ class Group:
                 self.mark_broken(exc)
                 raise
 
-        return self._executor.submit(work, run, async_op, self._issuer())
+        return self._executor.submit(work, run, async_op and not self._threadless, self._issuer())
 
     def _check_agreement(self, signature: debug.Signature, header: wire.Header | None) -> None:
         """DETAIL: all-gather the signature, with what the wire ``header`` compares besides, over

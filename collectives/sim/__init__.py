@@ -20,10 +20,11 @@ that network is read off the clock::
     times = dist.launch(main, 1024, backend="sim")                          # 1,024 hosts of 1 rank
     times = sim.launch(main, 1024, network=sim.Network(hosts=128, ranks_per_host=8))
 
-Inside ``main``, ``dist.*`` acts on the calling virtual rank's default group. What is not
-simulated: user point-to-point (``send``/``recv``), ``new_group``, asynchronous collectives
-(``async_op=True`` would need a communication thread per virtual rank); model compute with
-:func:`compute`.
+Inside ``main``, ``dist.*`` acts on the calling virtual rank's default group. ``async_op=True``
+runs the collective before the call returns (a virtual rank has no communication thread) and
+returns a completed handle, so such code runs unchanged, but its virtual time shows no overlap
+of communication with what follows. Not simulated: user point-to-point (``send``/``recv``),
+``new_group``; model compute with :func:`compute`.
 
 ``python -m collectives.sim`` sweeps ops, sizes, algorithms and world sizes and prints tables,
 crossovers, a plot and a Chrome trace (:mod:`collectives.sim.study`);

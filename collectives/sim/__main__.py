@@ -31,6 +31,7 @@ from ..costmodel import Link
 from ..ops import ReduceOp
 from ..sizes import human_size, parse_size
 from ..transport.sim import Simulation
+from ..tuning import Tuning
 from . import clock, launch
 from .ddp import StepReport, simulate_step
 from .network import DEFAULT_INTER, DEFAULT_INTRA, Network, links_from_bench
@@ -175,18 +176,44 @@ def bench(args: argparse.Namespace) -> None:
         )
 
 
+def intra_from_shm(shm: Link) -> Link:
+    """The intra-host link of a simulation standing for a host whose ranks share memory.
+
+    The measured runs' hierarchical phases inside a host run over shared memory
+    (``shm_algorithms``), whose fitted ``shm`` link is one synchronisation (``α``) and seconds
+    per byte *copied* (``β``). The simulation moves those phases as messages; a message through
+    shared regions is two copies (into the sender's half, out of it), so it is charged
+    ``α + 2Sβ``.
+    """
+    return Link(shm.alpha, 2 * shm.beta)
+
+
 def validate(args: argparse.Namespace) -> None:
     """Simulate every row of a ``collectives.bench --hosts H --model --json`` run with the links it
-    fitted, on ``H`` hosts, and print measured vs simulated time."""
+    fitted, on ``H`` hosts, and print measured vs simulated time.
+
+    The simulation runs what the measured run ran: the run's :class:`Tuning` (so the engine
+    picks the same algorithms and segments), between hosts its ``net`` link, inside a host
+    :func:`intra_from_shm` of its ``shm`` link where it has one (else ``local``; ``--intra
+    local`` forces it), and its ``reduce`` link's β for every reduction
+    (``Simulation(reduce_beta=...)``; ``--free-reductions``: none)."""
     with open(args.bench) as f:
         rows = json.load(f)
     links = links_from_bench(args.bench)
+    if args.intra == "shm" and "shm" in links:
+        intra = intra_from_shm(links["shm"])
+    else:
+        intra = links.get("local", DEFAULT_INTRA)
+    reduce_beta = links["reduce"].beta if "reduce" in links and not args.free_reductions else 0.0
+    print(f"# inter {links.get('net', DEFAULT_INTER)}; intra {intra}; reductions {reduce_beta * 1e9:.3f} ns/B")
     print(f"{'op':<12}{'n':>3}{'hosts':>6}{'size':>8}  {'algorithm':<19}{'measured us':>13}{'simulated us':>14}{'sim/meas':>10}")
     for row in rows:
         n = row["world_size"]
-        net = Network(args.hosts, n // args.hosts, links.get("local", DEFAULT_INTRA), links.get("net", DEFAULT_INTER))
+        net = Network(args.hosts, n // args.hosts, intra, links.get("net", DEFAULT_INTER))
         algorithm = row["algorithm"] if row["algorithm"] in ALGORITHMS.get(row["op"], ()) else "auto"
-        result, _ = time_collective(net, row["op"], row["bytes"], algorithm, exact=True)
+        tuning = Tuning(**row["tuning"]) if "tuning" in row else Tuning()  # the bench's group default
+        result, _ = time_collective(net, row["op"], row["bytes"], algorithm, exact=True, tuning=tuning,
+                                    reduce_beta=reduce_beta)
         print(
             f"{row['op']:<12}{n:>3}{args.hosts:>6}{human_size(row['bytes']):>8}  {algorithm:<19}{row['ours_us']:>13.0f}"
             f"{result.seconds * 1e6:>14.0f}{result.seconds * 1e6 / row['ours_us']:>10.2f}"
@@ -226,6 +253,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     v = sub.add_parser("validate", help="simulated vs measured times of a collectives.bench --hosts --model run")
     v.add_argument("bench", help="the JSON of `collectives.bench --hosts H --model --json FILE`")
     v.add_argument("--hosts", type=int, required=True, help="the --hosts of that run")
+    v.add_argument("--intra", choices=("shm", "local"), default="shm",
+                   help="intra-host link: from the shared-memory fit (default, what the run's hierarchical phases use) "
+                        "or the transport's loopback fit")
+    v.add_argument("--free-reductions", action="store_true", help="reductions take no virtual time")
     v.set_defaults(fn=validate)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):

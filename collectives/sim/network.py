@@ -21,8 +21,11 @@ turns.
 
 Limits of the model (what it does not see): α is pure latency (a rank can have many messages in
 flight at once, each paying α without holding a link); the links of a path queue independently
-(no head-of-line blocking, no packet interleaving, infinite switch buffers); local reductions
-and copies take no time unless modelled with ``Simulation.sleep``; no congestion control, no
+(no head-of-line blocking, no packet interleaving, infinite switch buffers); a link serves its
+messages one after another (first come, first served), where TCP shares it between the flows
+in progress (a binomial broadcast's root posting two sends at once: FIFO ends the first at
+``Sβ``, fair sharing ends both at ``2Sβ``); reductions cost time only with
+``Simulation(reduce_beta=...)``, copies none; no congestion control, no
 adaptive routing, no PCIe or memory-bandwidth limits beyond the links above.
 """
 
@@ -33,7 +36,7 @@ import json
 import math
 from typing import Any
 
-from ..costmodel import Link
+from ..costmodel import LINK_KINDS, Link
 from ..topology import Layout
 
 #: inside a host: a few µs per message, ~20 GB/s (a shared-memory copy).
@@ -151,13 +154,14 @@ class Network:
 
 def links_from_bench(path: str) -> dict[str, Link]:
     """The fitted links in a ``collectives.bench --model --json`` file: ``{"net": ..., "local": ...}``
-    (whichever it holds). Use them as :attr:`Network.inter` / :attr:`Network.intra`: "this
-    machine's links, at 1,024 ranks"."""
+    and, from runs that fitted them, ``"shm"``, ``"duplex"`` and ``"reduce"``
+    (:func:`collectives.costmodel.measure`). Use them as :attr:`Network.inter` /
+    :attr:`Network.intra`: "this machine's links, at 1,024 ranks"."""
     with open(path) as f:
         rows: Any = json.load(f)
     found: dict[str, Link] = {}
     for row in rows if isinstance(rows, list) else [rows]:
-        for kind in ("net", "local"):
+        for kind in LINK_KINDS:
             if f"{kind}_alpha" in row and kind not in found:
                 found[kind] = Link(float(row[f"{kind}_alpha"]), float(row[f"{kind}_beta"]))
     if not found:

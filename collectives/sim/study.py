@@ -116,9 +116,11 @@ def time_collective(
     tuning: Tuning | None = None,
     trace: bool = False,
     delays: dict[int, float] | None = None,
+    reduce_beta: float = 0.0,
 ) -> tuple[Result, Simulation]:
     """Run ``op`` of ``nbytes`` with ``algorithm`` on every rank of ``network``; its :class:`Result`
-    (the virtual time until the last rank returned) and the :class:`Simulation` (its trace)."""
+    (the virtual time until the last rank returned) and the :class:`Simulation` (its trace).
+    ``reduce_beta``: seconds per byte combined by the reductions (default 0: free)."""
     if op not in ALGORITHMS:
         raise ValueError(f"time_collective: unknown op {op!r}; expected one of {tuple(ALGORITHMS)}")
     base = tuning or Tuning(chain_bytes=Tuning().small_bytes)  # a real network: see Tuning.chain_bytes
@@ -128,7 +130,9 @@ def time_collective(
         scale, tuned = 1.0, base
     else:
         numel, scale, tuned = shrink(op, nbytes, n, base)
-    sim = Simulation(network, contention=contention, byte_scale=scale, copy=exact, trace=trace, delays=delays)
+    sim = Simulation(
+        network, contention=contention, byte_scale=scale, copy=exact, trace=trace, delays=delays, reduce_beta=reduce_beta
+    )
     layout = network.layout()
     cpu = torch.device("cpu")
 

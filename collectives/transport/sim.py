@@ -45,6 +45,13 @@ Deadlock and failure
     rank ``2^k``) thus raises at once instead of timing out. A rank that raises ends; the ranks
     waiting on it get that error in turn.
 
+Local work
+    Reductions cost virtual time when ``reduce_beta`` (seconds per byte combined) is set: inside
+    a collective on a :class:`SimTransport`, every :func:`~collectives.ops.combine` first sleeps
+    its output's bytes (times the byte scale) times ``reduce_beta`` (the hook
+    :data:`collectives.ops.combine_cost`). Copies that are not reductions (staging, unpacking)
+    stay free; the default 0 keeps the pure network model of the closed forms.
+
 Timing only
     ``byte_scale`` multiplies every message's bytes as the fabric sees them, and ``copy=False``
     skips the payload copies: a study runs the algorithms on tiny tensors that stand for large
@@ -68,6 +75,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence, 
 import torch
 
 from ..errors import CollectiveError
+from ..ops import combine_cost
 from .base import GroupInfo, Message, Peer, Request, Transport
 
 log = logging.getLogger(__name__)
@@ -149,6 +157,7 @@ class Simulation:
         delays: ``{rank: seconds}``: a straggler enters every collective that much late.
         slowdown: ``{rank: factor}``: that rank's :meth:`sleep` (modelled compute) lasts longer.
         trace: record every message and collective as Chrome trace events (:meth:`chrome_trace`).
+        reduce_beta: seconds per byte a reduction combines (module docstring, "Local work").
     """
 
     def __init__(
@@ -161,7 +170,11 @@ class Simulation:
         delays: dict[int, float] | None = None,
         slowdown: dict[int, float] | None = None,
         trace: bool = False,
+        reduce_beta: float = 0.0,
     ):
+        if not reduce_beta >= 0:
+            raise ValueError(f"Simulation: reduce_beta must be >= 0 seconds per byte, got {reduce_beta!r}")
+        self.reduce_beta = float(reduce_beta)
         self.fabric = fabric
         self.world_size = fabric.world_size
         self.contention = contention
@@ -177,6 +190,7 @@ class Simulation:
         self._seq = itertools.count()
         self._sends: dict[int, collections.deque[SimRequest]] = {}  # per pair src*n+dst: unmatched sends, oldest first
         self._recvs: dict[int, collections.deque[SimRequest]] = {}
+        self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...]]] = {}  # per pair, as _sends
         self._running: _Task | None = None
         self._hub: Any = None
 
@@ -199,28 +213,35 @@ class Simulation:
             _current.set((self, task.rank))
             try:
                 task.result = body(task.rank)
-            except BaseException as exc:  # noqa: BLE001 - every failure is reported by run()
+            except Exception as exc:  # noqa: BLE001 - every failure is reported by run()
                 task.error = exc
                 failed.append(task)
-            finally:
+            finally:  # anything else (KeyboardInterrupt, a test's timeout) goes on to the hub: _abort
                 task.finished = True
 
         for task in tasks:
             task.glet = greenlet.greenlet(start, parent=self._hub)
             self._wake(task, self.now)
-        while True:
-            while self._heap:
-                when, _, task = heapq.heappop(self._heap)
-                self.now = when
-                self._running = task
-                task.glet.switch(task)  # starts the rank, or resumes it where it blocked
+        try:
+            while True:
+                while self._heap:
+                    when, _, task = heapq.heappop(self._heap)
+                    self.now = when
+                    self._running = task
+                    task.glet.switch(task)  # starts the rank, or resumes it where it blocked
+                self._running = None
+                stuck = [t for t in tasks if not t.finished]
+                if not stuck:
+                    break
+                self._break_deadlock(stuck, failed)
+        except BaseException as exc:
+            self._abort(exc, tasks)
+            raise
+        finally:
             self._running = None
-            stuck = [t for t in tasks if not t.finished]
-            if not stuck:
-                break
-            self._break_deadlock(stuck, failed)
-        self._sends.clear()
-        self._recvs.clear()
+            self._heap.clear()
+            self._sends.clear()
+            self._recvs.clear()
         if failed:
             first = failed[0].error
             assert first is not None
@@ -230,6 +251,26 @@ class Simulation:
                 first.add_note(f"[sim] {len(failed)} of {len(tasks)} virtual ranks failed: {summary}{more}")
             raise first
         return [t.result for t in tasks]
+
+    def _abort(self, exc: BaseException, tasks: list[_Task]) -> None:
+        """A rank was interrupted by something that is not its own failure (``KeyboardInterrupt``,
+        a test runner's timeout signal, ``SystemExit``; it lands in whichever rank runs): stop
+        the whole simulation and let ``exc`` propagate as itself, instead of reporting it as that
+        rank's error while the others run on. The ranks still suspended unwind now (their
+        ``finally`` blocks run), not whenever their greenlets are collected."""
+        import greenlet
+
+        running = self._running
+        if running is not None and hasattr(exc, "add_note"):
+            exc.add_note(
+                f"[sim] interrupted while virtual rank {running.rank} ran (virtual t={self.now:.6g}s); "
+                "the simulation stopped there"
+            )
+        for task in tasks:
+            if task.glet is not None and task.glet and not task.finished:
+                self._running = task
+                with contextlib.suppress(BaseException):
+                    task.glet.throw(greenlet.GreenletExit)
 
     def _break_deadlock(self, stuck: list[_Task], failed: list[_Task]) -> None:
         """No rank can run but ``stuck`` wait: throw each an error naming what it waits for."""
@@ -283,7 +324,11 @@ class Simulation:
         req = SimRequest(self, False, src, dst, tensor, op)
         self.messages += 1
         # the fabric's queues (module docstring): each link carries it when it is free
-        alpha, beta, links = self.fabric.route(src, dst)
+        key = src * self.world_size + dst
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self.fabric.route(src, dst)
+        alpha, beta, links = route
         size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
         now = self.now
         end = now + size * beta
@@ -296,7 +341,6 @@ class Simulation:
                     end = done
         req.done_at = arrival = end + alpha
         start = end - size * beta
-        key = src * self.world_size + dst
         waiting = self._recvs.get(key)
         if waiting:
             recv = waiting.popleft()
@@ -435,15 +479,30 @@ class SimTransport(Transport):
         return cls(sim, group.rank(), ranks, group.timeout)
 
     def operation(self, name: str) -> ContextManager[None]:
-        delay = self.sim.delays.get(self.me, 0.0)
+        sim = self.sim
+        delay = sim.delays.get(self.me, 0.0)
         if delay:  # a straggler: late into every collective
-            self.sim.sleep_until(self.sim.now + delay)
-        if self.sim.events is None:
+            sim.sleep_until(sim.now + delay)
+        if sim.events is None and not sim.reduce_beta:
             return super().operation(name)
         labels = contextlib.ExitStack()
         labels.enter_context(super().operation(name))
-        labels.enter_context(self.sim.span(self.me, name))
+        if sim.events is not None:
+            labels.enter_context(sim.span(self.me, name))
+        if sim.reduce_beta:
+            labels.enter_context(self._charging_reductions())
         return labels
+
+    @contextlib.contextmanager
+    def _charging_reductions(self) -> Iterator[None]:
+        """Inside the block, every reduction of this rank sleeps its bytes times ``reduce_beta``."""
+        sim = self.sim
+        per_byte = sim.reduce_beta * (sim.byte_scale if self.byte_scale is None else self.byte_scale)
+        token = combine_cost.set(lambda nbytes: sim.sleep(nbytes * per_byte))
+        try:
+            yield
+        finally:
+            combine_cost.reset(token)
 
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
         return self.sim.isend(tensor, self.me, self.members[peer], self.op, self.byte_scale)
