@@ -1,188 +1,179 @@
-"""What the fault-tolerant loop costs when nothing fails: its step next to the plain DDP step.
+"""What the fault-tolerant loop costs when nothing fails: its step next to the plain step.
 
-    python -m ddp.bench_elastic                                  # both models, 2 and 4 ranks
-    python -m ddp.bench_elastic --jobs digits --world-sizes 2 --rounds 5 --json ft.json
+    python -m ddp.bench_elastic                                   # main job's model: DDP, ZeRO-1, ZeRO-2 at 2 and 3 ranks
+    python -m ddp.bench_elastic --model bench --world-sizes 2,4   # ddp.bench's MLP (16.8 M parameters)
+    python -m ddp.bench_elastic --modes ddp --json ft.json
 
-Each *round* runs the same job twice, one after the other (every other round in reverse order, so
-slow drifts of the machine hit both alike): ``plain``, our :class:`~ddp.DistributedDataParallel`
-on a normal group started by :func:`collectives.launch`, the textbook loop (batch, zero_grad,
-forward and backward, optimizer step); and ``fault-tolerant``, :func:`ddp.elastic.run` with no
-failure: the members of an :class:`~collectives.ElasticGroup` (heartbeat thread, its store
-connection), the step's RNG reseeded, the buffers saved for a roll-back, and the same DDP. Both
-time every step from fetching the batch to the end of the optimizer step, on every rank; a step's
-time is the slowest rank's (the job's pace), and a run's is the median over its steps after
-``--warmup``. The overhead is the median over rounds of (fault-tolerant / plain - 1). On a
-machine shared with other work the wall times swing more than the overhead sought, so each step's
-CPU time is reported too (the rank's process, all threads: the heartbeat's included), with its
-overhead computed the same way.
+Every rank builds two copies of the model and, for each mode of ``--modes``, runs rounds of
+``--steps`` steps of each variant on the same group, alternating (every other round in reverse
+order, a barrier before each): neighbouring rounds share the machine's load, so the overhead is
+the median over rounds of the ratio of the two variants' times in a round (what survives a
+machine shared with other work; separate runs of each variant swing more than the overhead).
 
-Jobs: ``digits`` is the main job (``python -m ddp.train``'s MLP on the digits, its batches);
-``bench`` is ``ddp.bench``'s model (``--layers`` x ``--width`` Linear layers, 16.8 M parameters
-by default) on random batches, with 25 MiB buckets like ``ddp.bench``. Torch threads per rank:
-``cpu_count // world_size``, for both loops.
+* ``ddp``: *plain* is our ``DistributedDataParallel`` (zero_grad, forward, backward, SGD step);
+  *fault-tolerant* is :class:`ddp.elastic.ReplicatedTrainer`'s step, what ``ddp.elastic.member``
+  runs: the same, plus the buffers saved for a roll-back and the step's RNG reseeded.
+* ``zero1``, ``zero2``: *plain* is ``ZeroDataParallel`` + ``ZeroRedundancyOptimizer``;
+  *fault-tolerant* is :class:`ddp.elastic.ShardedTrainer`'s step: the gradient shift to the
+  replica holder, the undo copy, the replica's update, then the plain step's update and
+  all-gather.
+
+During the fault-tolerant rounds each rank also runs the heartbeat thread of an
+:class:`~collectives.ElasticGroup` (``--heartbeat`` bound: a beat every bound/4, one store
+write and one read each); its reads of the peers' counters (one ``multi_get`` per beat) are left
+out. Models: ``digits`` is the main job's (``ddp.train``: 64 -> ``--hidden`` -> ``--hidden`` ->
+10 with BatchNorm, 32 rows per rank); ``bench`` is ``ddp.bench``'s (``--layers`` x ``--width``
+Linear layers, 64 rows per rank). Buckets: ``--bucket-mb``. Torch threads per rank:
+``cpu_count // world_size``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import collectives
+from collectives.elastic import Heartbeat, Member
 
 from . import elastic
-from .bench import make_model
+from .bench import make_model as wide_model
 from .distributed import DistributedDataParallel
-from .train import DigitsJob
+from .train import make_model as digits_model
+from .zero import ZeroDataParallel, ZeroRedundancyOptimizer
 
 log = logging.getLogger("ddp.bench_elastic")
 
-
-@dataclasses.dataclass(frozen=True)
-class WideJob:
-    """``ddp.bench``'s MLP as an elastic :class:`~ddp.elastic.Job`: random rows and classes per
-    ``(step, slot)``."""
-
-    steps: int
-    width: int = 2048
-    layers: int = 4
-    batch_size: int = 64
-    seed: int = 0
-
-    def model(self) -> nn.Module:
-        torch.manual_seed(self.seed)
-        return make_model(self.width, self.layers)
-
-    def batch(self, step: int, slot: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + slot)
-        return torch.randn(self.batch_size, self.width, generator=g), torch.randint(0, self.width, (self.batch_size,), generator=g)
+MODES = ("ddp", "zero1", "zero2")
 
 
-@dataclasses.dataclass(frozen=True)
-class FirstSteps:
-    """The first ``steps`` steps of ``job``."""
-
-    job: Any
-    steps: int
-
-    def model(self) -> nn.Module:
-        return self.job.model()
-
-    def batch(self, step: int, slot: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.job.batch(step, slot, world_size)
-
-
-def plain_rank(rank: int, world_size: int, cfg: elastic.Config) -> list[tuple[float, float]]:
-    """The plain loop on one rank: the wall and CPU seconds of each step."""
-    model = cfg.job.model()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
-    seconds = []
-    for step in range(cfg.job.steps):
-        begun = time.perf_counter(), time.process_time()
-        x, y = cfg.job.batch(step, rank, world_size)
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        seconds.append((time.perf_counter() - begun[0], time.process_time() - begun[1]))
-    ddp.remove_hooks()
-    return seconds
-
-
-def _pace(per_rank: list[list[tuple[float, float]]], warmup: int) -> tuple[float, float]:
-    """Median over steps (after ``warmup``) of the slowest rank's step, and the mean CPU time of
-    a rank's step (its process: every thread, the heartbeat's included), in ms."""
-    steps = list(zip(*per_rank))[warmup:]
-    wall = statistics.median(max(w for w, _ in ranks) for ranks in steps)
-    cpu = statistics.mean(c for ranks in steps for _, c in ranks)
-    return 1e3 * wall, 1e3 * cpu
-
-
-def measure(cfg: elastic.Config, rounds: int, warmup: int) -> dict[str, Any]:
-    """``rounds`` rounds of plain and fault-tolerant runs of ``cfg`` (module docstring)."""
-    runs: dict[str, list[tuple[float, float]]] = {"plain": [], "fault-tolerant": []}
-    for r in range(rounds):
-        for kind in ("plain", "fault-tolerant") if r % 2 == 0 else ("fault-tolerant", "plain"):
-            if kind == "plain":
-                per_rank = collectives.launch(plain_rank, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout)
-            else:
-                for _ in range(3):  # a loaded machine can starve a healthy member past the bound
-                    out = elastic.run(cfg)
-                    if not out.recoveries:
-                        break
-                    log.warning("a member was replaced in a run without failures (%s): running it again", out.events)
-                else:
-                    raise RuntimeError(f"ddp.bench_elastic: 3 runs in a row lost a member: {out.events}; try a larger --heartbeat")
-                per_rank = [out.reports[s]["step_seconds"] for s in range(cfg.world_size)]
-            runs[kind].append(_pace(per_rank, warmup))
-            log.info("round %d %s: step %.2f ms, CPU %.2f ms", r, kind, *runs[kind][-1])
-    plain, tolerant = runs["plain"], runs["fault-tolerant"]
-    return {
-        "plain_ms": statistics.median(w for w, _ in plain),
-        "fault_tolerant_ms": statistics.median(w for w, _ in tolerant),
-        "overhead": statistics.median(t[0] / p[0] - 1 for p, t in zip(plain, tolerant)),
-        "plain_cpu_ms": statistics.median(c for _, c in plain),
-        "fault_tolerant_cpu_ms": statistics.median(c for _, c in tolerant),
-        "cpu_overhead": statistics.median(t[1] / p[1] - 1 for p, t in zip(plain, tolerant)),
-        "rounds": runs,
-    }
-
-
-def job_config(name: str, world_size: int, a: argparse.Namespace) -> elastic.Config:
-    if name == "digits":
-        job: Any = FirstSteps(DigitsJob(epochs=1_000, world_size=world_size, batch_size=32, hidden=256, seed=a.seed), a.steps)
+def _model(a: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A fresh copy of the model (the same on every rank) and this rank's fixed batch."""
+    torch.manual_seed(a.seed)
+    if a.model == "digits":
+        model, rows, features, classes = digits_model(a.hidden), 32, 64, 10
     else:
-        job = WideJob(a.steps, width=a.width, layers=a.layers, seed=a.seed)
-    return elastic.Config(job=job, world_size=world_size, bucket_mb=25.0, seed=a.seed, backend=a.backend,
-                          heartbeat=a.heartbeat, timeout=120.0)
+        model, rows, features, classes = wide_model(a.width, a.layers), 64, a.width, a.width
+    g = torch.Generator().manual_seed(a.seed * 1_009 + collectives.get_rank())
+    return model, torch.randn(rows, features, generator=g), torch.randint(0, classes, (rows,), generator=g)
+
+
+def _variants(mode: str, a: argparse.Namespace, group: collectives.Group) -> tuple[Callable[[int], None], Callable[[int], None], Any]:
+    """The plain and the fault-tolerant step of ``mode`` (each on its own copy of the model), and
+    the fault-tolerant trainer (closed by the caller)."""
+    plain_model, x, y = _model(a)
+    ft_model, _, _ = _model(a)
+    cfg = elastic.Config(world_size=group.size(), zero=int(mode[-1]) if mode != "ddp" else 0, bucket_mb=a.bucket_mb,
+                         lr=a.lr, seed=a.seed, heartbeat=a.heartbeat)
+    if mode == "ddp":
+        module: nn.Module = DistributedDataParallel(plain_model, group=group, bucket_cap_mb=a.bucket_mb)
+        opt: Any = torch.optim.SGD(module.parameters(), lr=a.lr, momentum=0.9)
+        trainer: Any = elastic.ReplicatedTrainer(cfg, ft_model)
+    else:
+        module = ZeroDataParallel(plain_model, stage=cfg.zero, group=group, bucket_cap_mb=a.bucket_mb)
+        opt = ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=a.lr, momentum=0.9)
+        trainer = elastic.ShardedTrainer(cfg, ft_model, replacement=False)
+    trainer.heal(group, 0)
+    rank = group.rank()
+
+    def plain(step: int) -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(module(x), y).backward()
+        opt.step()
+
+    def tolerant(step: int) -> None:
+        torch.manual_seed(a.seed * 1_000_003 + rank * 10_007 + step)
+        trainer.step(group, x, y, step)
+
+    return plain, tolerant, (module, trainer)
+
+
+def _heartbeat(group: collectives.Group, bound: float, rank: int, round_: int) -> Heartbeat:
+    """A heartbeat thread as an elastic member runs, under a key prefix of this round."""
+    store = dist.PrefixStore(f"ringddp/bench-elastic/{round_}/", group.store)
+    return Heartbeat(store, Member(rank, rank), bound, False, lambda *_: None, lambda *_: None)
+
+
+def bench_rank(rank: int, world_size: int, a: argparse.Namespace) -> dict[str, Any] | None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    group = collectives.get_group()
+    out: dict[str, Any] = {}
+    rounds = 0
+    for mode in a.modes:
+        plain, tolerant, (module, trainer) = _variants(mode, a, group)
+        times: dict[str, list[float]] = {"plain": [], "fault-tolerant": []}
+        step = 0
+        for r in range(a.warmup + a.rounds):
+            for name in ("plain", "fault-tolerant") if r % 2 else ("fault-tolerant", "plain"):
+                beat = _heartbeat(group, a.heartbeat, rank, rounds) if name == "fault-tolerant" else None
+                rounds += 1
+                collectives.barrier()
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    (tolerant if beat else plain)(step)
+                    step += 1
+                seconds = (time.perf_counter() - t0) / a.steps
+                if beat is not None:
+                    beat.stop()
+                if r >= a.warmup:
+                    times[name].append(seconds)
+        trainer.close()
+        module.remove_hooks()
+        ratios = [t / p for p, t in zip(times["plain"], times["fault-tolerant"])]
+        out[mode] = {"plain_ms": 1e3 * statistics.median(times["plain"]),
+                     "fault_tolerant_ms": 1e3 * statistics.median(times["fault-tolerant"]),
+                     "overhead": statistics.median(ratios) - 1, "rounds": times}
+    return out if rank == 0 else None
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| job | ranks | plain step ms | fault-tolerant step ms | overhead | plain CPU ms | fault-tolerant CPU ms | CPU overhead |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | ranks | mode | plain step ms | fault-tolerant step ms | overhead |", "|---|---:|---|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['job']} | {r['world_size']} | {r['plain_ms']:.2f} | {r['fault_tolerant_ms']:.2f} | "
-                     f"{100 * r['overhead']:+.1f} % | {r['plain_cpu_ms']:.2f} | {r['fault_tolerant_cpu_ms']:.2f} | "
-                     f"{100 * r['cpu_overhead']:+.1f} % |")
+        lines.append(f"| {r['model']} | {r['world_size']} | {r['mode']} | {r['plain_ms']:.2f} | "
+                     f"{r['fault_tolerant_ms']:.2f} | {100 * r['overhead']:+.1f} % |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ddp.bench_elastic", description=__doc__.split("\n\n")[0])
-    p.add_argument("--jobs", default="digits,bench", help="comma list of digits, bench (default both)")
-    p.add_argument("--world-sizes", default="2,4", help="comma list (default 2,4)")
-    p.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
-    p.add_argument("--warmup", type=int, default=5, help="first steps of a run left out (default 5)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of both loops (default 3)")
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--model", choices=("digits", "bench"), default="digits", help="digits: the main job's (default); bench: ddp.bench's")
+    p.add_argument("--modes", default="ddp,zero1,zero2", help=f"comma list of {', '.join(MODES)} (default all)")
+    p.add_argument("--world-sizes", default="2,3", help="comma list (default 2,3)")
+    p.add_argument("--rounds", type=int, default=16, help="timed rounds of each variant (default 16)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--steps", type=int, default=10, help="steps per round (default 10)")
+    p.add_argument("--hidden", type=int, default=256, help="digits: hidden width (default 256, the main job's)")
+    p.add_argument("--width", type=int, default=2048, help="bench: width (default 2048)")
+    p.add_argument("--layers", type=int, default=4, help="bench: Linear layers (default 4)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (default 25)")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat bound in seconds (default 2, the loop's)")
     p.add_argument("--backend", default="shm", choices=("shm", "p2p"))
-    p.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat bound of the fault-tolerant loop (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT.json")
     a = p.parse_args(argv)
-    jobs = a.jobs.split(",")
-    if bad := [j for j in jobs if j not in ("digits", "bench")]:
-        p.error(f"--jobs: unknown {bad}; choose from digits, bench")
+    a.modes = a.modes.split(",")
+    if bad := [m for m in a.modes if m not in MODES]:
+        p.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
     sizes = [int(n) for n in a.world_sizes.split(",")]
-    if any(n < 2 for n in sizes) or a.steps <= a.warmup or a.rounds < 1:
-        p.error("need world sizes >= 2, --steps > --warmup and --rounds >= 1")
+    if any(n < 2 for n in sizes) or a.rounds < 1 or a.steps < 1 or a.warmup < 0:
+        p.error("need world sizes >= 2, --rounds and --steps >= 1, --warmup >= 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
-    for name in jobs:
-        for n in sizes:
-            os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))  # the ranks inherit it
-            rows.append({"job": name, "world_size": n, **measure(job_config(name, n, a), a.rounds, a.warmup)})
-            log.info("%s at %d ranks: overhead %+.1f %%", name, n, 100 * rows[-1]["overhead"])
+    for n in sizes:
+        per_mode = next(r for r in collectives.launch(bench_rank, n, a, backend=a.backend) if r is not None)
+        for mode in a.modes:
+            rows.append({"model": a.model, "world_size": n, "mode": mode, **per_mode[mode]})
+            log.info("%s, %d ranks, %s: overhead %+.1f %%", a.model, n, mode, 100 * rows[-1]["overhead"])
     print(format_table(rows))
     if a.json:
         with open(a.json, "w") as f:

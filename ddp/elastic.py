@@ -75,7 +75,7 @@ is its failure-free state at the committed step, and the redo is the failure-fre
 *Cost when nothing fails* (``n`` members, ``Ψ`` parameter bytes): the shift, ``Ψ/n`` bytes per
 member on top of the step's ``2(n-1)/n · Ψ``; the replica's update (element-wise, over ``Ψ/n``);
 the undo copy (a ``memcpy`` of the own shard and the replica: parameters and state); memory for a
-second shard and the undo copy (measured: docs/DESIGN.md §5, ``scripts/bench_ft_zero.py``). Our
+second shard and the undo copy (measured: docs/DESIGN.md §5, ``python -m ddp.bench_elastic``). Our
 ZeRO-1 reduce-scatters too, so it needs the shift as much as ZeRO-2.
 
 **Limits.** DDP and ZeRO-1/2 (ZeRO-3 would need replicas of the parameter chunks too); shrink
@@ -258,7 +258,7 @@ def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer,
 
 
 class _Trainer:
-    """How a member trains one step, heals and reports: our DDP (:class:`_Replicated`) or
+    """How a member trains one step, heals and reports: our DDP (:class:`ReplicatedTrainer`) or
     ZeRO-1/2 with shard replicas (:class:`ShardedTrainer`). Both roll back the buffers of an attempt
     that failed before its update (its forward changed BatchNorm's running statistics)."""
 
@@ -276,7 +276,7 @@ class _Trainer:
             b.copy_(old)
 
 
-class _Replicated(_Trainer):
+class ReplicatedTrainer(_Trainer):
     """Our bucketed DDP: every member holds the whole state; healing copies the most advanced
     member's (:func:`heal`)."""
 
@@ -463,7 +463,7 @@ class Prepared:
 
     store: dist.TCPStore
     model: nn.Module
-    trainer: _Replicated | ShardedTrainer
+    trainer: ReplicatedTrainer | ShardedTrainer
 
 
 def prepare(cfg: Config, port: int, replacement: bool, warm_up: bool = False) -> Prepared:
@@ -472,7 +472,7 @@ def prepare(cfg: Config, port: int, replacement: bool, warm_up: bool = False) ->
     the data loaded and autograd's kernels ready (healing overwrites the buffers it touched)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout * 2))
     model = cfg.job.model()
-    trainer = ShardedTrainer(cfg, model, replacement) if cfg.zero else _Replicated(cfg, model)
+    trainer = ShardedTrainer(cfg, model, replacement) if cfg.zero else ReplicatedTrainer(cfg, model)
     if warm_up:
         x, y = cfg.job.batch(0, 0, cfg.world_size)
         nn.functional.cross_entropy(model(x), y).backward()
