@@ -91,7 +91,7 @@ def _variants(mode: str, a: argparse.Namespace, group: collectives.Group) -> tup
         opt.step()
 
     def tolerant(step: int) -> None:
-        torch.manual_seed(a.seed * 1_000_003 + rank * 10_007 + step)
+        torch.default_generator.manual_seed(a.seed * 1_000_003 + rank * 10_007 + step)
         trainer.step(group, x, y, step)
 
     return plain, tolerant, (module, trainer)
