@@ -107,6 +107,7 @@ import torch.distributed as dist
 from torch import nn
 
 import collectives
+from collectives import faults
 from collectives.launch import configure_logging, is_stopped, set_parent_death_signal
 
 from data import DistributedSampler
@@ -246,6 +247,8 @@ def heal(group: collectives.Group, model: nn.Module, opt: torch.optim.Optimizer,
             "state all died before one of them could heal the others (one in-memory copy per member; restart "
             "from a checkpoint)"
         )
+    if step < 0:
+        faults.reached("heal")  # a replacement that dies while it heals (tests: collectives.faults)
     src = group.ranks[int((steps == ahead).nonzero()[0])]
     state = [{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "extra": extra}]
     collectives.broadcast_object_list(state, src=src, group=group)
@@ -370,6 +373,8 @@ class ShardedTrainer(_Trainer):
                 f"ddp.elastic: the optimizer shards of ranks {lost} are lost: their owner and the rank holding their "
                 "replica both died (or were replacements that had not healed yet); restart from a checkpoint"
             )
+        if not self.holds:
+            faults.reached("heal")  # a replacement that dies while it heals (tests: collectives.faults)
         committed = max(steps[k] for k in range(n) if holds[k])
         odd = [k for k in range(n) if holds[k] and steps[k] != committed and not (steps[k] == committed - 1 and pending[k])]
         if odd:  # a member behind without its update: a live member cannot have committed past it

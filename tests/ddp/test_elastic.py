@@ -37,23 +37,25 @@ def test_chaos_needs_progress_reports():
 @pytest.mark.timeout(400)
 def test_main_job_survives_members_killed_and_stopped_from_outside(tmp_path):
     """``python -m ddp.train --fault-tolerant``: the job logs each member's pid; one is killed
-    (SIGKILL) and then the other stopped (SIGSTOP) from here, by pid, while it trains; it exits 0,
-    says how many members it replaced, and its parameters and optimizer state are bitwise those
-    of the run without failures."""
+    (SIGKILL) and then the other stopped (SIGSTOP) from here, by pid, while it trains; the first
+    replacement also dies while it heals (a fault point: after the step all-gather, before the
+    state arrives), so the next one heals; the job exits 0, says how many members it replaced,
+    and its parameters and optimizer state are bitwise those of the run without failures."""
     ref_path, path = tmp_path / "ref.pt", tmp_path / "ft.pt"
     args = [sys.executable, "-m", "ddp.train", "--fault-tolerant", "-n", "2", "--epochs", "3", "--heartbeat", "5"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ref = subprocess.run(args + ["--save-state", str(ref_path)], capture_output=True, text=True, timeout=300, env=env)
     assert ref.returncode == 0 and "0 members replaced" in ref.stderr, ref.stderr[-3000:]
-    log_path = tmp_path / "ft.log"
+    log_path, flag = tmp_path / "ft.log", tmp_path / "died-healing"
     with open(log_path, "w") as log:
-        job = subprocess.Popen(args + ["--save-state", str(path)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                               start_new_session=True)
+        job = subprocess.Popen(args + ["--save-state", str(path)], stdout=log, stderr=subprocess.STDOUT,
+                               env=dict(env, RINGDDP_KILL_AT=f"heal:1:0:{flag}"), start_new_session=True)
         try:
             pids = _wait_for(log_path, r"generation 0 of elastic", lambda text: [int(p) for p in re.findall(r"slot \d: pid (\d+)", text)])
             os.kill(pids[1], signal.SIGKILL)
-            # the second failure after the replacement healed: before, slot 0 holds the only copy of the state
-            later = _wait_for(log_path, r"generation 1: healed", lambda text: [int(p) for p in re.findall(r"slot \d: pid (\d+)", text)])
+            # the second failure after a replacement healed: before, slot 0 holds the only copy of the state
+            later = _wait_for(log_path, r"\[rank 1\] INFO ddp.elastic: generation [1-9]\d*: healed",
+                              lambda text: [int(p) for p in re.findall(r"slot \d: pid (\d+)", text)])
             os.kill(later[0], signal.SIGSTOP)
             assert job.wait(timeout=300) == 0, log_path.read_text()[-4000:]
         finally:
@@ -61,7 +63,8 @@ def test_main_job_survives_members_killed_and_stopped_from_outside(tmp_path):
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
     text = log_path.read_text()
-    assert re.search(r"parameters identical on every rank; [2-9] members replaced", text), text[-3000:]
+    assert flag.exists() and "fault point: killing this process in heal" in text, text[-3000:]
+    assert re.search(r"parameters identical on every rank; [3-9] members replaced", text), text[-3000:]
     a, b = torch.load(ref_path), torch.load(path)
     assert _same(a, b)
 
@@ -136,18 +139,22 @@ def test_zero_3_and_world_size_1_are_refused_with_what_to_change():
 
 
 @pytest.mark.timeout(400)
-def test_zero_heals_killed_members_shards_from_their_replicas():
+def test_zero_heals_killed_members_shards_from_their_replicas(tmp_path, monkeypatch):
     """ZeRO-2 at 3 members on shm: slot 1 kills itself inside its optimizer update of step 3,
-    after the others applied theirs (nobody commits that step: they roll it back), and slot 2 is
-    killed by SIGKILL from here after step 8, wherever it is. Each replacement gets its optimizer
+    after the others applied theirs (nobody commits that step: they roll it back), its first
+    replacement dies while it heals (a fault point: after the members' states were gathered,
+    before any shard moved), and slot 2 is killed by SIGKILL from here after step 8, wherever it
+    is. Each replacement that lives gets its optimizer
     shard from its left neighbour's replica and its replica duty from its right neighbour, the
     step is redone, and the final parameters and optimizer state are bitwise those of ZeRO-1
     without failures (ZeRO-1 and 2 compute the same numbers: one launch less than a reference
     of each). Every member also checked that each replica equals its owner's shard (``identical``)."""
     cfg = elastic.Config(job=elastic.SyntheticJob(steps=12), world_size=3, zero=1, heartbeat=5.0, report_progress=True)
     ref = elastic.run(cfg, join_timeout=300)
+    flag = tmp_path / "died-healing"
+    monkeypatch.setenv("RINGDDP_KILL_AT", f"heal:1:0:{flag}")  # the members inherit it
     out = elastic.run(dataclasses.replace(cfg, zero=2, crash_in_update=(3, 1)), [(8, 2, signal.SIGKILL)], join_timeout=300)
-    assert out.recoveries >= 2, out.events
+    assert out.recoveries >= 3 and flag.exists(), out.events
     assert sum(r["undone"] for r in out.reports.values()) >= 1, out.reports
     for outcome in (ref, out):
         assert all(r["identical"] and r["steps"] == 12 for r in outcome.reports.values()), outcome.reports
