@@ -126,7 +126,7 @@ def _steps_ok(log: list) -> list[tuple]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["shm", "p2p"])
+@pytest.mark.parametrize("backend", ["shm"])  # p2p: the replacement test below and the host test
 def test_stopped_member_is_found_by_heartbeat_fenced_killed_and_the_rest_go_on(backend):
     """Slot 2 of 3 stops itself (SIGSTOP) before step 3's all-reduce: the survivors, blocked in it,
     raise within the heartbeat bound (not the 60 s timeout), kill it, shrink to 2 and finish
