@@ -92,7 +92,7 @@ def test_warm_spare_takes_a_slot_then_the_rest_shrink_and_replay_bitwise_from_th
     leaves at the same step) ends bitwise equal: the spare's healing left no trace either."""
     from data import DistributedSampler
 
-    job = elastic.SyntheticJob(epochs=1, size=500, batch_size=8)
+    job = elastic.SyntheticJob(epochs=1, size=2000, batch_size=8)  # 84 steps: the kills after 4 and 10 land mid-run
     cfg = elastic.Config(job=job, world_size=3, heartbeat=5.0, spares=1, max_respawns=1, shrink=True,
                          respawn_wait=0.5, report_progress=True)
     out = elastic.run(cfg, [(4, 1, signal.SIGKILL), (10, 2, signal.SIGKILL)])
@@ -138,7 +138,9 @@ def test_zero_heals_killed_members_shards_from_their_replicas(tmp_path, monkeypa
     step is redone, and the final parameters and optimizer state are bitwise those of ZeRO-1
     without failures (ZeRO-1 and 2 compute the same numbers: one launch less than a reference
     of each). Every member also checked that each replica equals its owner's shard (``identical``)."""
-    cfg = elastic.Config(job=elastic.SyntheticJob(steps=12), world_size=3, zero=1, heartbeat=5.0, report_progress=True)
+    # 60 steps: the kill after step 8 must land while slot 2 still trains (a step takes ~10 ms, the
+    # launcher polls every 50 ms; with 12 steps slot 2 had finished when the signal came)
+    cfg = elastic.Config(job=elastic.SyntheticJob(steps=60), world_size=3, zero=1, heartbeat=5.0, report_progress=True)
     ref = elastic.run(cfg, join_timeout=300)
     flag = tmp_path / "died-healing"
     monkeypatch.setenv("RINGDDP_KILL_AT", f"heal:1:0:{flag}")  # the members inherit it
@@ -146,6 +148,6 @@ def test_zero_heals_killed_members_shards_from_their_replicas(tmp_path, monkeypa
     assert out.recoveries >= 3 and flag.exists(), out.events
     assert sum(r["undone"] for r in out.reports.values()) >= 1, out.reports
     for outcome in (ref, out):
-        assert all(r["identical"] and r["steps"] == 12 for r in outcome.reports.values()), outcome.reports
+        assert all(r["identical"] and r["steps"] == 60 for r in outcome.reports.values()), outcome.reports
     a, b = ({"model": o.reports[0]["state"], "optimizer": o.reports[0]["optimizer"]} for o in (ref, out))
     assert all("running_" not in k for k in a["model"]) and _same(a, b)
