@@ -287,6 +287,19 @@ class _Trainer:
         for b, old in zip(self.model.buffers(), saved):
             b.copy_(old)
 
+    def undo_attempt(self) -> None:
+        """An attempt that failed before its update leaves no trace: its redo updates the buffers once."""
+        if self.before is not None:
+            self.restore_buffers(self.before)
+            self.before = None
+
+    def parameters_identical(self, group: collectives.Group) -> bool:
+        """Whether every member of ``group`` holds the same parameters, bit for bit (collective)."""
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(group.size())]
+        collectives.all_gather(every, flat, group=group)
+        return all(torch.equal(every[0], f) for f in every)
+
 
 class ReplicatedTrainer(_Trainer):
     """Our bucketed DDP: every member holds the whole state; healing copies the most advanced
@@ -310,9 +323,7 @@ class ReplicatedTrainer(_Trainer):
         self.opt.step()
 
     def abandon(self) -> None:
-        if self.before is not None:  # the lost attempt leaves no trace: its redo updates them once
-            self.restore_buffers(self.before)
-            self.before = None
+        self.undo_attempt()
         self.close()
 
     def close(self) -> None:
@@ -321,11 +332,7 @@ class ReplicatedTrainer(_Trainer):
             self.ddp = None
 
     def final(self, group: collectives.Group, first: bool) -> dict[str, Any]:
-        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
-        every = [torch.empty_like(flat) for _ in range(group.size())]
-        collectives.all_gather(every, flat, group=group)
-        identical = all(torch.equal(every[0], f) for f in every)
-        return {"identical": identical, "state": self.model.state_dict() if first else None,
+        return {"identical": self.parameters_identical(group), "state": self.model.state_dict() if first else None,
                 "optimizer": self.opt.state_dict() if first else None}
 
 
@@ -430,9 +437,7 @@ class ShardedTrainer(_Trainer):
         self.scratch["undo"], self.pending = self.pending, None
 
     def abandon(self) -> None:
-        if self.before is not None:  # failed before its update: as for DDP
-            self.restore_buffers(self.before)
-            self.before = None
+        self.undo_attempt()  # failed before its update: as for DDP
         if self.zdp is not None and self.holds:
             self.carry = {"own": self.own.state(), "replica": self.replica.state()}
         self.close()
@@ -446,13 +451,11 @@ class ShardedTrainer(_Trainer):
         """Identical parameters everywhere and every replica equal to its owner's shard (digests);
         rank 0 (``first``) gets the full model and optimizer state (collective)."""
         assert self.zdp is not None
-        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
-        every = [torch.empty_like(flat) for _ in range(group.size())]
-        collectives.all_gather(every, flat, group=group)
+        same = self.parameters_identical(group)
         digests: list[Any] = [None] * group.size()
         collectives.all_gather_object(digests, (_digest(self.own.state()), _digest(self.replica.state())), group=group)
         n = group.size()
-        identical = all(torch.equal(every[0], f) for f in every) and all(digests[k][1] == digests[(k + 1) % n][0] for k in range(n))
+        identical = same and all(digests[k][1] == digests[(k + 1) % n][0] for k in range(n))
         state = self.zdp.full_state_dict()
         self.zopt.consolidate_state_dict(group.ranks[0])
         return {"identical": identical, "state": state if first else None,
