@@ -108,7 +108,7 @@ from torch import nn
 
 import collectives
 from collectives import faults
-from collectives.launch import configure_logging, is_stopped, set_parent_death_signal
+from collectives.launch import configure_logging, is_stopped, set_parent_death_signal, start_process
 
 from data import DistributedSampler
 
@@ -649,7 +649,6 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
         raise ValueError("ddp.elastic.run: chaos at given steps needs Config(report_progress=True)")
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.timeout * 2))
-    ctx = mp.get_context("spawn")
     procs: dict[int, tuple[mp.Process, Any]] = {}
     spares: list[tuple[mp.Process, Any]] = []  # oldest first
     warm: set[int] = set()  # pids of spares that said they are ready
@@ -658,10 +657,9 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
     events: list[str] = []
 
     def spawn(slot: int | None, replacement: bool) -> tuple[mp.Process, Any]:
-        parent, child = ctx.Pipe()
-        name = "ringddp-spare" if slot is None else f"ringddp-member{slot}"
-        p = ctx.Process(target=_child, args=(cfg, store.port, slot, replacement, child), name=name)
-        p.start()
+        parent, child = mp.Pipe()
+        p = start_process(_child, (cfg, store.port, slot, replacement, child),
+                          "ringddp-spare" if slot is None else f"ringddp-member{slot}")
         child.close()
         return p, parent
 
@@ -787,6 +785,10 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                 events.append(f"{time.monotonic() - t0:.2f}s: slot {slot} (pid {p.pid}) {status}, exit {p.exitcode}"
                               + (f": {value}" if value else ""))
                 log.warning(events[-1])
+                if reports:  # the others left after the last step: no one is there to heal a replacement from
+                    raise collectives.LaunchError(
+                        f"slot {slot} was lost after slots {sorted(reports)} finished the run: its final report is "
+                        f"gone and no member is left to heal a replacement from; events: {events}")
                 start(slot, True)
     finally:
         for p, _ in list(procs.values()) + spares:

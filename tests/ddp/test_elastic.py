@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import collectives
 from ddp import elastic
 
 
@@ -75,6 +76,16 @@ def _wait_for(path, pattern: str, parse, timeout: float = 120.0):
             return parse(text)
         time.sleep(0.05)
     raise AssertionError(f"no {pattern!r} in {timeout}s:\n{path.read_text()[-3000:]}")
+
+
+@pytest.mark.timeout(400)
+def test_losing_every_holder_of_the_state_fails_loudly():
+    """Both members of 2 killed at the same step: their replacements hold no state. The run must
+    not quietly start over from the initial model: it fails, naming what was lost. (300 steps: the
+    kills land mid-run even when the launcher is starved.)"""
+    cfg = elastic.Config(job=elastic.SyntheticJob(steps=300), world_size=2, heartbeat=5.0, report_progress=True)
+    with pytest.raises(collectives.LaunchError, match="every member of this generation is a replacement"):
+        elastic.run(cfg, [(3, 0, signal.SIGKILL), (3, 1, signal.SIGKILL)], join_timeout=350)
 
 
 def _params_equal(a: dict, b: dict) -> bool:
