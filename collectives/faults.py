@@ -9,7 +9,9 @@ chance. Code marks a phase with :func:`reached`; the environment arms one point:
 makes the process whose ``RANK`` is ``<rank>`` SIGKILL itself the ``n``-th time it reaches
 ``<phase>`` (counted per process from 1), after creating ``<flag file>``; a process that finds
 the flag file already there never fires, so a job restarted with the same environment (torchrun
-keeps it) is killed once. Unset, :func:`reached` costs one global lookup.
+keeps it) is killed once. The variable is read at the first :func:`reached` of the process (not
+at import: a rank forked from a preloaded server gets its environment after the import). Unset,
+:func:`reached` costs one global lookup.
 
 Phases marked: ``"collective"`` (:meth:`collectives.group.Group.run`, with the call's header on
 the wire and before its data moves: the peers are inside the same collective), and whatever the
@@ -44,22 +46,24 @@ class _Point:
         self.lock = threading.Lock()
 
 
-def _armed() -> _Point | None:
+def _arm() -> _Point | None:
+    global _point
     text = os.environ.get(ENV)
-    if not text:
-        return None
-    point = _Point(text)
-    if int(os.environ.get("RANK", "0")) != point.rank or os.path.exists(point.flag):
-        return None
+    point = _Point(text) if text else None
+    if point is not None and (int(os.environ.get("RANK", "0")) != point.rank or os.path.exists(point.flag)):
+        point = None
+    _point = point
     return point
 
 
-_point = _armed()
+_point: _Point | None | bool = False  # False: the environment not read yet
 
 
 def reached(phase: str) -> None:
     """Mark that this process is now in ``phase``; SIGKILL it here if the armed point says so."""
     point = _point
+    if point is False:
+        point = _arm()
     if point is None or point.phase != phase:
         return
     with point.lock:
@@ -81,7 +85,8 @@ def mark_backward(module: torch.nn.Module) -> None:
     """Reach ``"backward"`` whenever the gradient of ``module``'s output has been computed: the
     backward pass is then past every later layer, whose gradients exist and whose buckets'
     collectives may be running. Registers nothing unless the point is armed for ``"backward"``."""
-    if _point is None or _point.phase != "backward":
+    point = _arm() if _point is False else _point
+    if point is None or point.phase != "backward":
         return
 
     def forward_hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
-"""What Linux's ``/proc/<pid>/stat`` says about a process: its state letter and its start time.
+"""What Linux's ``/proc/<pid>/stat`` says about a process: its state letter, parent and start time.
 
 One parser for the launcher (is a rank stopped?), the elastic heartbeat (is the pid we would kill
-still the process we mean, not a new one that reuses its number?) and the tests' leak checks.
+still the process we mean, not a new one that reuses its number?) and the tests' leak checks
+(which forkserver is the test session's own?).
 The command name (field 2) is in parentheses and may itself hold spaces or parentheses, so the
 fields are counted after its *last* closing parenthesis.
 """
@@ -23,6 +24,12 @@ def state(pid: int) -> str | None:
     """The state letter (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z`` zombie...), or None."""
     fields = stat_fields(pid)
     return fields[0] if fields else None
+
+
+def parent(pid: int) -> int | None:
+    """The parent's pid, or None if there is no such process."""
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields and len(fields) > 1 else None
 
 
 def start_time(pid: int) -> str | None:

@@ -69,8 +69,9 @@ def alive(pid: int) -> bool:
 
 
 def session_processes(session: str | None = None) -> dict[int, str]:
-    """Live processes (not zombies) that inherited this session's id, except this process and
-    multiprocessing's resource tracker: pid -> command line."""
+    """Live processes (not zombies) that inherited this session's id, except this process,
+    multiprocessing's resource tracker and this process's forkserver (which forks the ranks of
+    ``collectives.launch`` and ends with this process): pid -> command line."""
     marker = f"{SESSION_VARIABLE}={session or session_id()}".encode()
     if marker.endswith(b"="):
         return {}
@@ -81,7 +82,8 @@ def session_processes(session: str | None = None) -> dict[int, str]:
         pid = int(entry)
         if marker in _environ(pid).split(b"\0") and alive(pid):
             cmd = _cmdline(pid)
-            if "resource_tracker" not in cmd:
+            own_forkserver = "multiprocessing.forkserver" in cmd and procfs.parent(pid) == os.getpid()
+            if "resource_tracker" not in cmd and not own_forkserver:
                 found[pid] = cmd
     return found
 

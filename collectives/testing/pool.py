@@ -26,7 +26,8 @@ from typing import Any, Callable, Mapping
 
 from ..errors import CollectiveError
 from ..group import destroy_process_group
-from ..launch import LaunchError, Report, join_local, raise_failure, read_report, send_report, start_store, stop_ranks
+from ..launch import (LaunchError, Report, join_local, raise_failure, read_report, send_report, start_process, start_store,
+                      stop_ranks)
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +93,10 @@ class WorkerPool:
 
     def _start(self) -> None:
         self._store = start_store(self.world_size, datetime.timedelta(seconds=self.timeout))
-        ctx = mp.get_context("spawn")
         for rank in range(self.world_size):
-            parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(
-                target=_worker,
-                args=(rank, self.world_size, self._store.port, self.backend, self.timeout, self.log_level, self.env,
-                      child_end),
-                name=f"ringddp-pool-rank{rank}",
-            )
-            p.start()
+            parent_end, child_end = mp.Pipe()
+            p = start_process(_worker, (rank, self.world_size, self._store.port, self.backend, self.timeout,
+                                        self.log_level, self.env, child_end), f"ringddp-pool-rank{rank}")
             child_end.close()
             self._procs.append(p)
             self._conns.append(parent_end)

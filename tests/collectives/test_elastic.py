@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import collectives
 from collectives.elastic import ElasticGroup, FencedError
-from collectives.launch import set_parent_death_signal
+from collectives.launch import set_parent_death_signal, start_process
 
 BOUND = 4.0  # heartbeat bound (s): one a loaded machine keeps (a starved healthy member is not "silent")
 TIMEOUT = 60.0  # the collective timeout: detection must come from the heartbeat, far sooner
@@ -86,11 +86,9 @@ class Job:
         self.uids = [self.read(i, "joined") for i in range(world)]
 
     def start(self, slot: int, first: int) -> int:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=member, args=(self.store.port, slot, self.world, self.backend,
-                                             first, self.steps, self.kill, child), name=f"elastic-{slot}")
-        p.start()
+        parent, child = mp.Pipe(duplex=False)
+        p = start_process(member, (self.store.port, slot, self.world, self.backend, first, self.steps, self.kill, child),
+                          f"elastic-{slot}")
         child.close()
         self.procs.append((p, parent))
         return len(self.procs) - 1
