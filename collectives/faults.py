@@ -9,7 +9,8 @@ chance. Code marks a phase with :func:`reached`; the environment arms one point:
 makes the process whose ``RANK`` is ``<rank>`` SIGKILL itself the ``n``-th time it reaches
 ``<phase>`` (counted per process from 1), after creating ``<flag file>``; a process that finds
 the flag file already there never fires, so a job restarted with the same environment (torchrun
-keeps it) is killed once. The variable is read at the first :func:`reached` of the process (not
+keeps it) is killed once. Several points, separated by commas (at most one per phase and rank),
+kill a job several times: each fires once, in whichever start of the job reaches it. The variable is read at the first :func:`reached` of the process (not
 at import: a rank forked from a preloaded server gets its environment after the import). Unset,
 :func:`reached` costs one global lookup.
 
@@ -46,25 +47,30 @@ class _Point:
         self.lock = threading.Lock()
 
 
-def _arm() -> _Point | None:
-    global _point
-    text = os.environ.get(ENV)
-    point = _Point(text) if text else None
-    if point is not None and (int(os.environ.get("RANK", "0")) != point.rank or os.path.exists(point.flag)):
-        point = None
-    _point = point
-    return point
+def _arm() -> dict[str, _Point]:
+    """This process's armed points by phase (read once, at the first use)."""
+    global _points
+    rank, points, seen = int(os.environ.get("RANK", "0")), {}, set()
+    for point in map(_Point, filter(None, os.environ.get(ENV, "").split(","))):
+        if point.rank != rank:
+            continue
+        if point.phase in seen:
+            raise ValueError(f"{ENV}: two points for phase {point.phase!r} and rank {rank}")
+        seen.add(point.phase)
+        if not os.path.exists(point.flag):
+            points[point.phase] = point
+    _points = points
+    return points
 
 
-_point: _Point | None | bool = False  # False: the environment not read yet
+_points: dict[str, _Point] | bool = False  # False: the environment not read yet
 
 
 def reached(phase: str) -> None:
     """Mark that this process is now in ``phase``; SIGKILL it here if the armed point says so."""
-    point = _point
-    if point is False:
-        point = _arm()
-    if point is None or point.phase != phase:
+    points = _arm() if _points is False else _points
+    point = points.get(phase) if points else None
+    if point is None:
         return
     with point.lock:
         point.count += 1
@@ -85,8 +91,7 @@ def mark_backward(module: torch.nn.Module) -> None:
     """Reach ``"backward"`` whenever the gradient of ``module``'s output has been computed: the
     backward pass is then past every later layer, whose gradients exist and whose buckets'
     collectives may be running. Registers nothing unless the point is armed for ``"backward"``."""
-    point = _arm() if _point is False else _point
-    if point is None or point.phase != "backward":
+    if "backward" not in (_arm() if _points is False else _points):
         return
 
     def forward_hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import torch
 import collectives
 from collectives import faults
 from collectives.testing import hosts
-from tests.ddp.test_train import run_train
+from tests.ddp.test_train import run_train, run_train_here
 
 EPOCHS = "2"  # 23 steps an epoch at 2 ranks; with --checkpoint-every 7: steps 7, 14, 21, 28, 35, 42 and the end, 46
 
@@ -99,22 +99,23 @@ def kill_and_finish(agents: list[subprocess.Popen], logs: list[Path], ckpt: Path
 
 
 def torchrun_with_kill(tmp_path: Path, kill: str, *args: str) -> Path:
-    """Run the job under torchrun (2 workers, 3 restarts), kill a worker once (``kill``: see
-    :func:`kill_and_finish`, or a fault point ``<phase>:<n>:<rank>``), let it finish, check that
-    it resumed. Returns the ``--save-state`` file."""
+    """Run the job under torchrun (2 workers, 3 restarts), kill workers (``kill``: see
+    :func:`kill_and_finish`, or fault points ``<phase>:<n>:<rank>``, comma-separated, each firing
+    once), let it finish, check that it resumed. Returns the ``--save-state`` file."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
            *train_argv(tmp_path, *args)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    flag = tmp_path / "killed"
-    if not kill.startswith("random:"):
-        env[faults.ENV] = f"{kill}:{flag}"
+    points = [] if kill.startswith("random:") else kill.split(",")
+    flags = [tmp_path / f"killed-{i}" for i in range(len(points))]
+    if points:
+        env[faults.ENV] = ",".join(f"{point}:{flag}" for point, flag in zip(points, flags))
     log = tmp_path / "torchrun.log"
     with open(log, "w") as out:
         job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         text = kill_and_finish([job], [log], tmp_path / "ckpt", kill)
     assert "resuming from" in text, text[-3000:]
-    if not kill.startswith("random:"):
-        assert flag.read_text().split() == kill.split(":")[:2], f"the fault point did not fire:\n{text[-3000:]}"
+    for point, flag in zip(points, flags):
+        assert flag.exists() and flag.read_text().split() == point.split(":")[:2], f"{point} did not fire:\n{text[-3000:]}"
     return tmp_path / "state.pt"
 
 
@@ -123,7 +124,7 @@ def trained(tmp_path_factory) -> Path:
     """The uninterrupted 2-rank run of our DDP, checkpointing every 7 steps (steps 35, 42 and 46
     kept in ``ckpt``), its final state in ``state.pt``."""
     d = tmp_path_factory.mktemp("trained")
-    out = run_train("--epochs", EPOCHS, "--checkpoint-dir", str(d / "ckpt"), "--checkpoint-every", "7",
+    out = run_train_here("--epochs", EPOCHS, "--checkpoint-dir", str(d / "ckpt"), "--checkpoint-every", "7",
                     "--save-state", str(d / "state.pt"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in (d / "ckpt").iterdir()) == ["step-00000035", "step-00000042", "step-00000046"]
@@ -153,20 +154,20 @@ def copy_of(checkpoints: Path, tmp_path: Path, *steps: int) -> Path:
     return d
 
 
-# (mode, its flags, where a worker kills itself): a fault point inside a phase, the n-th time a
-# rank reaches it (collective, optimizer step, backward, its file of a checkpoint written). ZeRO-1
-# is left out: it checkpoints and restores exactly as ZeRO-2 (the same sharded optimizer). The
-# kill from outside at a seeded random moment is the two-host test's.
+# (mode, its flags, where workers kill themselves): fault points inside a phase, the n-th time a
+# rank reaches it (optimizer step; backward, then a collective after the restart; its file of a
+# checkpoint written). ZeRO-1 is left out: it checkpoints and restores exactly as ZeRO-2 (the
+# same sharded optimizer). Our DDP is the two-host test's, killed from outside at a seeded random
+# moment. (One job killed twice costs a restart; a job of its own costs a torchrun start too.)
 KILLS = [
-    ("ddp", [], "collective:60:1"),
     ("zero2", ["--zero", "2"], "step:10:0"),
-    ("zero3", ["--zero", "3"], "backward:10:1"),
+    ("zero3", ["--zero", "3"], "backward:10:1,collective:60:0"),
     ("torch-ddp", ["--torch-ddp"], "checkpoint:2:0"),
 ]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("args,kill", [k[1:] for k in KILLS], ids=[f"{m}-{k.split(':')[0]}" for m, _, k in KILLS])
+@pytest.mark.parametrize("args,kill", [k[1:] for k in KILLS], ids=[f"{m}-{'-'.join(p.split(':')[0] for p in k.split(','))}" for m, _, k in KILLS])
 def test_killed_worker_restarted_by_torchrun_ends_bitwise_equal(tmp_path, args, kill, reference):
     """A worker SIGKILLs itself inside a chosen phase (in a collective, at the optimizer step,
     inside backward with the later layers' collectives running, with its checkpoint file written
@@ -190,7 +191,7 @@ def test_corrupt_newest_checkpoints_fall_back_to_an_older_one(tmp_path, checkpoi
     data[len(data) // 2] ^= 0x40
     second.write_bytes(bytes(data))
     state = tmp_path / "state.pt"
-    out = run_train("--epochs", EPOCHS, "--checkpoint-dir", str(d), "--checkpoint-every", "7", "--save-state", str(state))
+    out = run_train_here("--epochs", EPOCHS, "--checkpoint-dir", str(d), "--checkpoint-every", "7", "--save-state", str(state))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{newest}: 1000 bytes, the manifest says" in out.stderr
     assert f"{second}: sha256 differs from the manifest's (corrupted)" in out.stderr
@@ -270,10 +271,10 @@ def test_resume_at_another_world_size(tmp_path):
     for name, saved_by, resumed_by in (("ddp", [], []), ("zero", ["--zero", "2"], ["--zero", "3"])):
         d, state = tmp_path / name / "ckpt", tmp_path / name / "state.pt"
         common = ["--epochs", "1", "--batch-size", "64", "--checkpoint-dir", str(d)]
-        out = run_train("-n", "4", *common, "--checkpoint-every", "3", *saved_by)
+        out = run_train_here("-n", "4", *common, "--checkpoint-every", "3", *saved_by)
         assert out.returncode == 0, out.stderr[-3000:]
         shutil.rmtree(d / "step-00000006")  # the end of the epoch
-        out = run_train("-n", "2", *common, "--save-state", str(state), *resumed_by)
+        out = run_train_here("-n", "2", *common, "--save-state", str(state), *resumed_by)
         assert out.returncode == 0, out.stderr[-3000:]
         assert "resuming from " + str(d / "step-00000003") + " (step 3, saved by 4 ranks)" in out.stderr, out.stderr[-3000:]
         assert "resumed at step 3: epoch 1, 3 batches into it" in out.stderr

@@ -1,12 +1,16 @@
-"""The main job, run as a user would: ``python -m ddp.train``."""
+"""The main job, run as a user would: ``python -m ddp.train`` (or its ``main`` in this process)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -14,6 +18,39 @@ import pytest
 def run_train(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "ddp.train", *args], capture_output=True, text=True, timeout=240, env=env)
+
+
+def run_train_here(*args: str) -> subprocess.CompletedProcess:
+    """What :func:`run_train` returns, with the launcher (``ddp.train.main``) in this process. The
+    ranks are still processes of their own, forked from this session's warm forkserver: a run
+    costs no interpreter start and no torch import. ``stderr``: the launcher's log and argparse's
+    messages, then what the ranks wrote."""
+    from ddp.train import main
+
+    text, root, saved_env = io.StringIO(), logging.getLogger(), os.environ.get("OMP_NUM_THREADS")
+    handler, level, saved_fd = logging.StreamHandler(text), root.level, os.dup(2)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryFile() as ranks:
+        os.dup2(ranks.fileno(), 2)  # the ranks get this process's stderr as of their start
+        try:
+            with contextlib.redirect_stderr(text):
+                code = main(list(args))
+        except SystemExit as exc:  # argparse
+            code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            root.removeHandler(handler)
+            root.setLevel(level)
+            if saved_env is None:
+                os.environ.pop("OMP_NUM_THREADS")
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved_env
+        ranks.seek(0)
+        stderr = text.getvalue() + ranks.read().decode(errors="replace")
+    return subprocess.CompletedProcess(["ddp.train", *args], code, "", stderr)
 
 
 def final_accuracy(out: subprocess.CompletedProcess) -> float:
@@ -45,7 +82,7 @@ def test_default_job_trains_and_writes_trace_and_plot(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_naive_scatter_accumulation_on_three_ranks():
-    out = run_train("--epochs", "2", "-n", "3", "--naive", "--data", "scatter", "--accum", "2", "--backend", "p2p")
+    out = run_train_here("--epochs", "2", "-n", "3", "--naive", "--data", "scatter", "--accum", "2", "--backend", "p2p")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done: 3 ranks, naive DDP, scatter data, p2p backend: trained 2 epochs" in out.stderr
     assert final_accuracy(out) > 70.0
@@ -55,7 +92,7 @@ def test_naive_scatter_accumulation_on_three_ranks():
 def test_torch_ddp_on_the_ringddp_backend_trains_like_ours():
     """--torch-ddp: torch's own DistributedDataParallel, on backend "ringddp". Same data, seed and
     updates at two ranks, so the same losses as our DDP (a sum of two floats has one rounding)."""
-    ours, torchs = run_train("--epochs", "2"), run_train("--epochs", "2", "--torch-ddp")
+    ours, torchs = run_train_here("--epochs", "2"), run_train_here("--epochs", "2", "--torch-ddp")
     assert torchs.returncode == 0, torchs.stderr[-3000:]
     assert "done: 2 ranks, torch's DDP, sampler data, shm backend (auto):" in torchs.stderr
     assert final_accuracy(torchs) == final_accuracy(ours) and _losses(torchs) == _losses(ours)
@@ -111,19 +148,19 @@ def test_curve_has_whole_epoch_ticks_and_nothing_overlapping(epochs):
 
 
 def test_bad_arguments_are_rejected():
-    out = run_train("--world-size", "0")
+    out = run_train_here("--world-size", "0")
     assert out.returncode == 2 and "--world-size" in out.stderr
-    out = run_train("--naive", "--zero", "2")
+    out = run_train_here("--naive", "--zero", "2")
     assert out.returncode == 2 and "--zero" in out.stderr
-    out = run_train("--fault-tolerant", "--spares", "-1")
+    out = run_train_here("--fault-tolerant", "--spares", "-1")
     assert out.returncode == 2 and "--spares" in out.stderr
-    out = run_train("--fault-tolerant", "--shrink", "--zero", "1")
+    out = run_train_here("--fault-tolerant", "--shrink", "--zero", "1")
     assert out.returncode == 2 and "drop --shrink or --zero" in out.stderr
 
 
 @pytest.mark.timeout(300)
 def test_zero3_job_trains_and_prints_memory_per_rank():
-    out = run_train("--epochs", "2", "--zero", "3")
+    out = run_train_here("--epochs", "2", "--zero", "3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "unit layout (4 units" in out.stderr and "done: 2 ranks, ZeRO-3, sampler data, shm backend (auto):" in out.stderr
     table = out.stderr.split("memory per rank after the last step, ZeRO-3")[1].splitlines()[1:4]
