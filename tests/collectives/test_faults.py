@@ -283,11 +283,13 @@ def queued_behind_a_failure(rank: int, world_size: int, fault: str, timeout: flo
     theirs = torch.distributed.new_group([0, 2], backend="ringddp", timeout=datetime.timedelta(seconds=timeout),
                                          pg_options=collectives.torch_backend.Options(backend=backend))
     payload = torch.ones(1 << 16)
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(QUEUED)))
+    collectives.barrier()  # the set-up runs on the short deadline: begin it together (a loaded machine)
     if rank in (0, 1):
         collectives.all_reduce(payload.clone(), group=ours)  # set-up done before the fault
+    collectives.barrier()
     if rank in (0, 2):
-        torch.manual_seed(0)
-        layers = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(QUEUED)))
         model = DistributedDataParallel(layers, process_group=theirs, bucket_cap_mb=0.01)  # a bucket per layer
         model(torch.ones(4, 64)).sum().backward()
         loss = model(torch.ones(4, 64)).sum()  # forward's own traffic (bucket rebuild) before the fault
