@@ -181,6 +181,40 @@ def _reduce_into(op: ReduceOp, out: torch.Tensor, operands: list[torch.Tensor]) 
         combine(op, out, operand, out=out)
 
 
+def _one_shot(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp, signature: int,
+              views_of: Callable[[int], list[torch.Tensor]]) -> None:
+    """The one-shot all-reduce of ``buf`` (see the module docstring); ``views_of(half)``: every
+    rank's region view of ``buf``'s size in that half, by rank."""
+    n, r = regions.world_size, regions.rank
+    views = views_of(regions.begin_piece(signature))
+    views[r].copy_(buf)
+    regions.step(range(n))
+    operands = views
+    if r <= 1:  # our operand is the input itself: ranks 0 and 1 write it no earlier than they read it
+        operands = views.copy()
+        operands[r] = buf
+    _reduce_into(op, buf, operands)
+    regions.end_piece()
+    finish(op, buf, n)
+
+
+def one_shot_fits(regions: SharedRegions, nbytes: int) -> bool:
+    """Whether an all-reduce of ``nbytes`` runs one-shot on ``regions`` (:func:`one_shot_limit`,
+    and one piece)."""
+    return nbytes <= min(ONE_SHOT_BYTES // regions.world_size, regions.piece_bytes)
+
+
+def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> Callable[[], None] | None:
+    """All-reduce of this very ``buf`` planned once, to be run many times (a persistent
+    collective, :mod:`collectives.persistent`): the one-shot with its signature and both halves'
+    views of every region computed now, or None where ``buf`` does not run one-shot."""
+    n, numel, dtype = regions.world_size, buf.numel(), buf.dtype
+    if n == 1 or numel == 0 or not one_shot_fits(regions, numel * dtype.itemsize):
+        return None
+    views = [[regions.view(q, h, dtype, numel) for q in range(n)] for h in (0, 1)]
+    return functools.partial(_one_shot, regions, buf, op, _signature("all_reduce", numel, dtype, op), views.__getitem__)
+
+
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     """All-reduce ``buf`` in place: one-shot up to :func:`one_shot_limit`, two-shot above."""
     n, r = regions.world_size, regions.rank
@@ -190,16 +224,8 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     everyone = range(n)
     numel, dtype = buf.numel(), buf.dtype
     signature = _signature("all_reduce", numel, dtype, op)
-    if numel * dtype.itemsize <= min(ONE_SHOT_BYTES // n, regions.piece_bytes):  # one_shot_limit(n)
-        h = regions.begin_piece(signature)
-        views = [regions.view(q, h, dtype, numel) for q in everyone]
-        views[r].copy_(buf)
-        regions.step(everyone)
-        if r <= 1:  # our operand is the input itself: ranks 0 and 1 write it no earlier than they read it
-            views[r] = buf
-        _reduce_into(op, buf, views)
-        regions.end_piece()
-        finish(op, buf, n)
+    if one_shot_fits(regions, numel * dtype.itemsize):
+        _one_shot(regions, buf, op, signature, lambda h: [regions.view(q, h, dtype, numel) for q in everyone])
         return
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
         piece = buf[lo:hi]
