@@ -40,11 +40,12 @@ tags but no header exchange, :mod:`collectives.wire`), interleaved with the othe
 ``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
 (``RINGDDP_DEBUG``, default CHECK).
 
-``--peers mpi`` adds, for all_reduce, other libraries' call timed the same way in the same processes
-(:mod:`collectives.peers`: MPI's ``MPI_Allreduce`` through mpi4py, the optional extra
-``ringddp[peers]``; the ranks are then started by that MPI's ``mpiexec`` and join our group through
-``env://``), with ``<peer>_us`` and ``ours_vs_<peer>`` = its time / ours (above 1: ours is faster);
-its results are checked against torch's like ours.
+``--peers mpi,deepspeed`` adds, for all_reduce, other libraries' call timed the same way in the same
+processes (:mod:`collectives.peers`, the optional extra ``ringddp[peers]``): MPI's ``MPI_Allreduce``
+through mpi4py (the ranks are then started by that MPI's ``mpiexec`` and join our group through
+``env://``) and DeepSpeed's CPU shared-memory ``inference_all_reduce``, with ``<peer>_us`` and
+``ours_vs_<peer>`` = its time / ours (above 1: ours is faster); each peer's results are checked
+against torch's like ours (``#wrong`` counts them all).
 
 ``--placement ROUNDS`` runs instead a placement report for the shared-memory transport (2 ranks):
 each round puts both ranks on one CPU, gives them their affinity masks back, runs 100 all-reduces
@@ -336,7 +337,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     if rank == 0 and skew == skew:
         log.warning("torch barrier exit skew at %d ranks: median %.0f us", n, skew * 1e6)
     shm_group = new_group(backend="shm") if shm else None
-    peer_objects = [peer_libraries.make(p, rank) for p in peers]
+    peer_objects = [peer_libraries.make(p, rank, n) for p in peers]
     variants = ("ours", "torch", "wire", "off", "shm", "sym", "memcpy") + tuple(peers)
     rows = []
     for op in ops:
@@ -572,8 +573,9 @@ def main(argv: list[str] | None = None) -> int:
                         "times (module doc)")
     p.add_argument("--peers", default="",
                    help=f"CPU, all_reduce: also time other libraries' all_reduce in the same processes, comma list of "
-                        f"{','.join(PEERS)} (MPI's MPI_Allreduce in place through mpi4py: pip install 'ringddp[peers]'; "
-                        "the ranks are then started by that MPI's mpiexec)")
+                        f"{','.join(PEERS)} (MPI's MPI_Allreduce in place through mpi4py, the ranks then started by "
+                        "that MPI's mpiexec; DeepSpeed's CPU shm inference_all_reduce, its op JIT-built on first use): "
+                        "pip install 'ringddp[peers]'")
     p.add_argument("--peer-job", nargs=2, metavar=("PORT", "ROWS"), help=argparse.SUPPRESS)  # a rank under mpiexec
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
@@ -620,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in world_sizes:
         if args.hosts:
             result = _run_hosts(args.hosts, link, args.emulator, n, job)
-        elif peers:
+        elif "mpi" in peers:
             result = _run_under_mpiexec(argv if argv is not None else sys.argv[1:], n)
         else:
             result = launch(job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]
