@@ -142,18 +142,20 @@ def test_bench_checks_each_peer_result(pools):
 @pytest.mark.timeout(900)  # DeepSpeed JIT-builds its op on first use: minutes on 2 busy cores
 def test_bench_peer_columns(tmp_path, capsys):
     """``--peers`` (optional extra): each installed peer's all_reduce timed beside ours and checked;
-    MPI's ranks started by mpiexec, DeepSpeed's shm op in the same ranks."""
+    MPI's ranks started by mpiexec, DeepSpeed's shm op in the same ranks; ``--persistent``: ours
+    planned once, a column beside them."""
     peers = [p for p in bench.PEERS if not bench.peer_libraries.unavailable(p)]
     if not peers:
         pytest.skip("; ".join(bench.peer_libraries.unavailable(p) for p in bench.PEERS))
     out = tmp_path / "bench.json"
-    argv = ["--backend", "shm", "--peers", ",".join(peers), "--world-sizes", "2", "--min-bytes", "4K",
+    argv = ["--backend", "shm", "--peers", ",".join(peers), "--persistent", "--world-sizes", "2", "--min-bytes", "4K",
             "--max-bytes", "8K", "--timing", "loop", "--iters", "2", "--json", str(out)]
     assert bench.main(argv) == 0
     rows = json.loads(out.read_text())
     assert [r["bytes"] for r in rows] == [4096, 8192]
     for r in rows:
-        assert r["wrong"] == 0 and sorted(r["peers"]) == sorted(peers), r
+        assert r["wrong"] == 0 and sorted(r["peers"]) == sorted(peers + ["persistent"]), r
+        assert math.isfinite(r["persistent_us"]), r
         for p in peers:
             assert {"mpi": "MPI", "deepspeed": "DeepSpeed"}[p] in r["peers"][p], r
             assert math.isfinite(r[f"{p}_us"]) and r[f"ours_vs_{p}"] == r[f"{p}_us"] / r["ours_us"]
