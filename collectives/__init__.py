@@ -95,6 +95,7 @@ from .objects import (
 )
 from .ops import SUPPORTED_DTYPES, ReduceOp
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .persistent import PersistentAllReduce, all_reduce_init
 from .work import Work
 from . import torch_backend
 
@@ -118,6 +119,7 @@ __all__ = [
     "LaunchError",
     "NonMember",
     "P2POp",
+    "PersistentAllReduce",
     "PrefixStore",
     "ProcessGroup",
     "QueueEmptyError",
@@ -130,6 +132,7 @@ __all__ = [
     "all_gather_object",
     "all_gather_single",
     "all_reduce",
+    "all_reduce_init",
     "all_to_all",
     "all_to_all_single",
     "backend_names",

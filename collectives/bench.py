@@ -40,11 +40,16 @@ tags but no header exchange, :mod:`collectives.wire`), interleaved with the othe
 ``check`` = ours / off - 1: what the header exchange costs at the level the benchmark runs under
 (``RINGDDP_DEBUG``, default CHECK).
 
-``--peers mpi`` adds, for all_reduce, other libraries' call timed the same way in the same processes
-(:mod:`collectives.peers`: MPI's ``MPI_Allreduce`` through mpi4py, the optional extra
-``ringddp[peers]``; the ranks are then started by that MPI's ``mpiexec`` and join our group through
-``env://``), with ``<peer>_us`` and ``ours_vs_<peer>`` = its time / ours (above 1: ours is faster);
-its results are checked against torch's like ours.
+``--peers mpi,deepspeed`` adds, for all_reduce, other libraries' call timed the same way in the same
+processes (:mod:`collectives.peers`, the optional extra ``ringddp[peers]``): MPI's ``MPI_Allreduce``
+through mpi4py (the ranks are then started by that MPI's ``mpiexec`` and join our group through
+``env://``) and DeepSpeed's CPU shared-memory ``inference_all_reduce``, with ``<peer>_us`` and
+``ours_vs_<peer>`` = its time / ours (above 1: ours is faster); each peer's results are checked
+against torch's like ours (``#wrong`` counts them all).
+``--persistent`` adds, for all_reduce, ours again through a persistent all-reduce
+(:func:`collectives.all_reduce_init`: checked and planned once per buffer, started at every
+call), as a column like a peer's, first among them: ``persistent_us``, and ``ours_vs_persistent``
+= its time / the plain call's.
 
 ``--placement ROUNDS`` runs instead a placement report for the shared-memory transport (2 ranks):
 each round puts both ranks on one CPU, gives them their affinity masks back, runs 100 all-reduces
@@ -153,7 +158,7 @@ class _Case:
         ``group`` of an input in symmetric memory), ``"torch"`` (``torch.distributed`` itself on
         the torch process group ``group``) or a peer library's all_reduce (``group`` is the
         :mod:`collectives.peers` object: in place on the input, like ours)."""
-        if variant in PEERS:
+        if variant in PEERS or variant == _Persistent.name:
             group.all_reduce(self.inp)
             return
         lib = tdist if variant == "torch" else collectives
@@ -215,6 +220,27 @@ class _Case:
     def size_bytes(self) -> int:
         """nccl-tests' "size": the op's whole buffer (all_gather: output; reduce_scatter: input)."""
         return self.count * self.inp.element_size()
+
+
+class _Persistent:
+    """Ours again, through a persistent all-reduce (:func:`collectives.all_reduce_init`, planned
+    once per buffer): a column of its own beside the peers (``--persistent``)."""
+
+    name = "persistent"
+    library = "ours, planned once (collectives.all_reduce_init)"
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self._tensor: torch.Tensor | None = None
+        self._plan: Any = None
+
+    def supports(self, op: str, dtype: torch.dtype) -> bool:
+        return op == "all_reduce"
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        if tensor is not self._tensor:  # a new case's buffer
+            self._tensor, self._plan = tensor, collectives.all_reduce_init(tensor, group=self.group)
+        self._plan.start()
 
 
 def _cpu_seconds() -> float:
@@ -305,7 +331,7 @@ def _checks_off():
 def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list[int], iters: int | None,
                tuning: dict[str, int], backend: str = "p2p", algorithm: str = "auto", model: bool = False,
                check_cost: bool = False, shm: bool = False, timing: str = "barrier",
-               peers: Sequence[str] = ()) -> list[dict]:
+               peers: Sequence[str] = (), persistent: bool = False) -> list[dict]:
     """One rank of the benchmark; ``tuning`` overrides fields of the group's :class:`Tuning`.
 
     ``algorithm`` is forced on our all_reduce / broadcast; ``model`` fits α/β by ping-pong first
@@ -315,7 +341,8 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     (:func:`collectives.symmetric_empty`), and one memcpy of the op's buffer; ``timing`` is
     ``barrier`` (one call after each barrier) or ``loop`` (back-to-back calls, see the module doc);
     ``peers`` adds a column per peer library (:mod:`collectives.peers`; all_reduce only; the ranks
-    must have been started by that library's launcher, see :func:`main`).
+    must have been started by that library's launcher, see :func:`main`); ``persistent`` one for
+    ours through :func:`collectives.all_reduce_init`, first among them.
     """
     torch.set_num_threads(1)
     ours = get_default_group()
@@ -336,8 +363,10 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
     if rank == 0 and skew == skew:
         log.warning("torch barrier exit skew at %d ranks: median %.0f us", n, skew * 1e6)
     shm_group = new_group(backend="shm") if shm else None
-    peer_objects = [peer_libraries.make(p, rank) for p in peers]
-    variants = ("ours", "torch", "wire", "off", "shm", "sym", "memcpy") + tuple(peers)
+    peer_objects = [peer_libraries.make(p, rank, n) for p in peers]
+    if persistent:
+        peer_objects.insert(0, _Persistent())
+    variants = ("ours", "torch", "wire", "off", "shm", "sym", "memcpy") + tuple(p.name for p in peer_objects)
     rows = []
     for op in ops:
         for dtype_name in dtypes:
@@ -572,8 +601,12 @@ def main(argv: list[str] | None = None) -> int:
                         "times (module doc)")
     p.add_argument("--peers", default="",
                    help=f"CPU, all_reduce: also time other libraries' all_reduce in the same processes, comma list of "
-                        f"{','.join(PEERS)} (MPI's MPI_Allreduce in place through mpi4py: pip install 'ringddp[peers]'; "
-                        "the ranks are then started by that MPI's mpiexec)")
+                        f"{','.join(PEERS)} (MPI's MPI_Allreduce in place through mpi4py, the ranks then started by "
+                        "that MPI's mpiexec; DeepSpeed's CPU shm inference_all_reduce, its op JIT-built on first use): "
+                        "pip install 'ringddp[peers]'")
+    p.add_argument("--persistent", action="store_true",
+                   help="all_reduce: also time ours through collectives.all_reduce_init (planned once per buffer, "
+                        "started at every call), a column like a peer's")
     p.add_argument("--peer-job", nargs=2, metavar=("PORT", "ROWS"), help=argparse.SUPPRESS)  # a rank under mpiexec
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
@@ -613,14 +646,14 @@ def main(argv: list[str] | None = None) -> int:
     if reason := next(filter(None, map(peer_libraries.unavailable, peers)), None):
         p.error(reason)
     job = (bench_rank, ops, args.dtypes.split(","), sizes, args.iters, tuning, args.backend, args.algorithm,
-           args.model, args.check_cost, args.shm, args.timing, peers)
+           args.model, args.check_cost, args.shm, args.timing, peers, args.persistent)
     if args.peer_job:
         return _peer_rank(job, *args.peer_job)
-    print(header(args.cpu, args.check_cost, args.shm, args.model, peers))
+    print(header(args.cpu, args.check_cost, args.shm, args.model, ["persistent"] * args.persistent + peers))
     for n in world_sizes:
         if args.hosts:
             result = _run_hosts(args.hosts, link, args.emulator, n, job)
-        elif peers:
+        elif "mpi" in peers:
             result = _run_under_mpiexec(argv if argv is not None else sys.argv[1:], n)
         else:
             result = launch(job[0], n, *job[1:], backend=args.backend, log_level=logging.WARNING)[0]

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import ContextManager, Protocol, Sequence, runtime_checkable
+import functools
+from typing import Callable, ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -258,6 +259,18 @@ class AlgorithmEngine:
             ring.all_reduce(self.transport, buf, op, self.workspace, self._segment_elems(buf), self.tuning.depth)
         else:
             tree.recursive_doubling_all_reduce(self.transport, buf, op, self.workspace)
+
+    def plan_all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> Callable[[], None]:
+        """:meth:`all_reduce` of this very ``buf``, planned once to run many times (a persistent
+        collective, :mod:`collectives.persistent`): on shared regions, a one-shot with its views
+        and signature computed now (:func:`~collectives.shm_algorithms.plan_all_reduce`); anything
+        else chooses at each call as :meth:`all_reduce` does. Call it only after a collective has
+        run on this engine (the regions are set up by the first one)."""
+        if algorithm == "auto" and (regions := self._regions()) is not None:
+            planned = shm_algorithms.plan_all_reduce(regions, buf, op)
+            if planned is not None:
+                return planned
+        return functools.partial(self.all_reduce, buf, op, algorithm)
 
     def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
         if algorithm == "auto" and (regions := self._regions()) is not None:

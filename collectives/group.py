@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import functools
 import itertools
 import logging
 import os
@@ -311,35 +312,19 @@ class Group:
         level = debug.level()
         issuer = self._issuer()
         header = wire.header(signature, self.tuning, algorithm, sizes, level, issuer)
+        agree = signature if level == "DETAIL" else None
 
         def run() -> None:
             tracer = trace.active()
-            start = time.perf_counter_ns() if tracer is not None else 0
+            if tracer is None:
+                self._run(name, fn, header, agree)
+                return
+            start = time.perf_counter_ns()
             try:
-                if self._failure is not None:  # it may have broken while this call was queued
-                    self.check_usable(name)
-                if self.mailbox.pending:  # receives posted by irecv take their messages before ours
-                    self.mailbox.settle_shared()
-                if level == "DETAIL":
-                    self._check_agreement(signature, header)  # before the header: its own traffic
-                previous = wire.swap(header)
-                grad = torch.is_grad_enabled()  # off already inside backward hooks and under no_grad
-                try:
-                    if grad:
-                        _set_grad_enabled(False)  # torch.no_grad() without its ~1 µs of Python frames
-                    faults.reached("collective")
-                    fn()
-                finally:
-                    if grad:
-                        _set_grad_enabled(True)
-                    wire.swap(previous)
-            except CollectiveError as exc:
-                self.mark_broken(exc)
-                raise
+                self._run(name, fn, header, agree)
             finally:
-                if tracer is not None:
-                    args = {"op": name, "group": self.name, "bytes": signature.nbytes, "async": async_op}
-                    tracer.add(label or name, "collective", start, time.perf_counter_ns(), args)
+                args = {"op": name, "group": self.name, "bytes": signature.nbytes, "async": async_op}
+                tracer.add(label or name, "collective", start, time.perf_counter_ns(), args)
 
         if log.isEnabledFor(logging.DEBUG):  # --verbose: one line per collective
             log.debug("%s on %s (rank %d)", debug.describe(signature), self.name, self._rank)
@@ -347,6 +332,49 @@ class Group:
             return self._executor.submit(Work(name, result), run, not self._threadless, issuer)
         self._executor.call(name, run, issuer)  # inline when nothing is queued: no handle, no thread hop
         return None
+
+    def _run(self, name: str, fn: Callable[[], None], header: wire.Header | None,
+             agree: debug.Signature | None = None) -> None:
+        """A collective's turn in the queue: refuse on a broken group, let pending receives take
+        their messages, compare ``agree`` with every rank first (DETAIL), make ``header`` the
+        wire check's, run ``fn`` without autograd; a :class:`CollectiveError` breaks the group."""
+        try:
+            if self._failure is not None:  # it may have broken while this call was queued
+                self.check_usable(name)
+            if self.mailbox.pending:  # receives posted by irecv take their messages before ours
+                self.mailbox.settle_shared()
+            if agree is not None:
+                self._check_agreement(agree, header)  # before the header: its own traffic
+            previous = wire.swap(header)
+            grad = torch.is_grad_enabled()  # off already inside backward hooks and under no_grad
+            try:
+                if grad:
+                    _set_grad_enabled(False)  # torch.no_grad() without its ~1 µs of Python frames
+                faults.reached("collective")
+                fn()
+            finally:
+                if grad:
+                    _set_grad_enabled(True)
+                wire.swap(previous)
+        except CollectiveError as exc:
+            self.mark_broken(exc)
+            raise
+
+    def plan(self, name: str, fn: Callable[[], None], header: wire.Header) -> Callable[[], bool]:
+        """The per-call path of a persistent collective (:mod:`collectives.persistent`): a function
+        that runs ``fn`` now, synchronously, as :meth:`submit` would with ``header`` (built with
+        issuing thread 0), and returns True; or does nothing and returns False when the call
+        needs more than that, so the caller submits it instead: not on the thread that created the
+        group, work queued or running on the group, a trace recording, ``--verbose`` logging."""
+        run = functools.partial(self._run, name, fn, header)
+        creator, executor, get_ident = self._creator_id, self._executor, threading.get_ident
+
+        def start() -> bool:
+            if get_ident() != creator or trace.active() is not None or log.isEnabledFor(logging.DEBUG):
+                return False
+            return executor.run_if_idle(name, run)
+
+        return start
 
     def enqueue(self, work: Work, fn: Callable[[], None], async_op: bool) -> Work:
         """Run ``fn`` in the group's queue order, like :meth:`submit` but without the checks made

@@ -181,6 +181,47 @@ def _reduce_into(op: ReduceOp, out: torch.Tensor, operands: list[torch.Tensor]) 
         combine(op, out, operand, out=out)
 
 
+def _one_shot_operands(regions: SharedRegions, buf: torch.Tensor, half: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The one-shot's tensors in ``half``: this rank's region view of ``buf``'s size, and the
+    operands in rank order (every rank's view; ranks 0 and 1 take their own from ``buf``)."""
+    r, numel, dtype = regions.rank, buf.numel(), buf.dtype
+    operands = [regions.view(q, half, dtype, numel) for q in range(regions.world_size)]
+    mine = operands[r]
+    if r <= 1:  # our operand is the input itself: ranks 0 and 1 write it no earlier than they read it
+        operands[r] = buf
+    return mine, operands
+
+
+def _one_shot(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp, signature: int,
+              operands_in: Callable[[int], tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
+    """The one-shot all-reduce of ``buf`` (see the module docstring); ``operands_in(half)``:
+    :func:`_one_shot_operands` of that half."""
+    n = regions.world_size
+    mine, operands = operands_in(regions.begin_piece(signature))
+    mine.copy_(buf)
+    regions.step(range(n))
+    _reduce_into(op, buf, operands)
+    regions.end_piece()
+    finish(op, buf, n)
+
+
+def one_shot_fits(regions: SharedRegions, nbytes: int) -> bool:
+    """Whether an all-reduce of ``nbytes`` runs one-shot on ``regions`` (:func:`one_shot_limit`,
+    and one piece)."""
+    return nbytes <= min(ONE_SHOT_BYTES // regions.world_size, regions.piece_bytes)
+
+
+def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> Callable[[], None] | None:
+    """All-reduce of this very ``buf`` planned once, to be run many times (a persistent
+    collective, :mod:`collectives.persistent`): the one-shot with its signature and both halves'
+    tensors computed now, or None where ``buf`` does not run one-shot."""
+    n, numel, dtype = regions.world_size, buf.numel(), buf.dtype
+    if n == 1 or numel == 0 or not one_shot_fits(regions, numel * dtype.itemsize):
+        return None
+    halves = [_one_shot_operands(regions, buf, h) for h in (0, 1)]
+    return functools.partial(_one_shot, regions, buf, op, _signature("all_reduce", numel, dtype, op), halves.__getitem__)
+
+
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     """All-reduce ``buf`` in place: one-shot up to :func:`one_shot_limit`, two-shot above."""
     n, r = regions.world_size, regions.rank
@@ -190,16 +231,8 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     everyone = range(n)
     numel, dtype = buf.numel(), buf.dtype
     signature = _signature("all_reduce", numel, dtype, op)
-    if numel * dtype.itemsize <= min(ONE_SHOT_BYTES // n, regions.piece_bytes):  # one_shot_limit(n)
-        h = regions.begin_piece(signature)
-        views = [regions.view(q, h, dtype, numel) for q in everyone]
-        views[r].copy_(buf)
-        regions.step(everyone)
-        if r <= 1:  # our operand is the input itself: ranks 0 and 1 write it no earlier than they read it
-            views[r] = buf
-        _reduce_into(op, buf, views)
-        regions.end_piece()
-        finish(op, buf, n)
+    if one_shot_fits(regions, numel * dtype.itemsize):
+        _one_shot(regions, buf, op, signature, functools.partial(_one_shot_operands, regions, buf))
         return
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
         piece = buf[lo:hi]

@@ -283,6 +283,14 @@ class Executor:
             self._enqueue(work, fn, issuer)
             work.wait()
 
+    def run_if_idle(self, name: str, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` now on this thread (not the communication thread) if nothing is queued or
+        running, and return True; else return False and run nothing (the caller queues it)."""
+        if not self._enter(name):
+            return False
+        self._inline(fn, None)
+        return True
+
     def _enter(self, name: str) -> bool:
         """Claim the queue for an inline call if it is idle; False when the call must queue."""
         with self._mutex:

@@ -177,9 +177,9 @@ MUTANTS = (
         "README: all_reduce is bitwise identical on every rank, also for floating-point sums (every rank "
         "folds the regions in rank order)",
         "collectives/shm_algorithms.py",
-        "        _reduce_into(op, buf, views)\n",
-        "        MUTANT_REACHED()\n"
-        "        _reduce_into(op, buf, views[::-1] if r == 1 else views)  # MUTANT\n",
+        "    _reduce_into(op, buf, operands)\n",
+        "    MUTANT_REACHED()\n"
+        "    _reduce_into(op, buf, operands[::-1] if r == 1 else operands)  # MUTANT\n",
         ("tests/collectives/test_shm.py::test_float_sums_are_bitwise_identical_and_in_rank_order[3]",),
     ),
     Mutant(

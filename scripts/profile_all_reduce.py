@@ -7,7 +7,8 @@ Two parts, both on 2 ranks of the ``shm`` backend:
 
 * **Layers**, timed back to back as ``collectives.bench --timing loop`` does (after a barrier and
   5 untimed calls, ``--calls`` calls, their mean; the layers interleaved sample by sample; min
-  and median over ``--samples``, the slower rank's): the public call; the engine (wire check and
+  and median over ``--samples``, the slower rank's): the public call; its persistent form
+  (:func:`collectives.all_reduce_init`, planned at its first start); the engine (wire check and
   algorithm choice, no argument checks, no queue); the shared-memory algorithm inside the
   transport's checked operation; the algorithm alone (unchecked). The differences are what each
   layer adds, waits included.
@@ -63,7 +64,8 @@ def _layers(t: torch.Tensor) -> dict[str, Callable[[], None]]:
             shm_algorithms.all_reduce(regions, t, SUM)
         wire.swap(previous)
 
-    return {"collectives.all_reduce": lambda: collectives.all_reduce(t), "engine + wire check": engine_call,
+    return {"collectives.all_reduce": lambda: collectives.all_reduce(t),
+            "persistent start": collectives.all_reduce_init(t).start, "engine + wire check": engine_call,
             "algorithm, checked": checked_algorithm, "algorithm alone": lambda: shm_algorithms.all_reduce(regions, t, SUM)}
 
 

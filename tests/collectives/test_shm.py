@@ -657,16 +657,19 @@ def test_wire_check_names_both_calls_without_a_message_of_its_own(case):
 
 @pytest.mark.timeout(180)
 def test_bench_shows_shm_and_memcpy_rows(capsys, tmp_path):
-    """The shm columns, timed nccl-tests style (``--timing loop``: 50 back-to-back calls at 64 KiB)."""
+    """The shm columns, timed nccl-tests style (``--timing loop``: 50 back-to-back calls at 64 KiB),
+    and the persistent all-reduce's (all_reduce only)."""
     from collectives import bench
 
     path = tmp_path / "rows.json"
     code = bench.main(["--shm", "--ops", "all_reduce,all_gather", "--world-sizes", "2", "--min-bytes", "64K",
-                       "--max-bytes", "64K", "--iters", "2", "--timing", "loop", "--json", str(path)])
+                       "--max-bytes", "64K", "--iters", "2", "--timing", "loop", "--persistent", "--json", str(path)])
     out = capsys.readouterr().out
-    assert code == 0, out
-    assert all(r["timing"] == "loop" and r["calls"] == 50 for r in json.loads(path.read_text())), out
-    assert "shm us" in out and "sym us" in out and "memcpy us" in out, out
+    assert code == 0, out  # 0: no wrong element in any column, the persistent one included
+    rows = json.loads(path.read_text())
+    assert all(r["timing"] == "loop" and r["calls"] == 50 for r in rows), out
+    assert "shm us" in out and "sym us" in out and "memcpy us" in out and "persistent us" in out, out
+    assert [r["op"] for r in rows if "persistent_us" in r and r["persistent_us"] == r["persistent_us"]] == ["all_reduce"]
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("all_reduce", "all_gather"))}
     assert len(rows) == 2, out
     # all_reduce also ran on symmetric memory (a time), all_gather has no such variant ("-");
