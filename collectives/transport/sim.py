@@ -10,8 +10,8 @@ Scheduler
     the rank with the earliest wake-up, which runs real Python (the algorithm, torch ops on real
     tensors) in zero virtual time until it waits: on a message not yet sent, on a message still
     on the wire, or in :meth:`Simulation.sleep` (modelled compute). Then the hub resumes the next
-    rank. A second heap holds the network's events (the predicted end of each flow, below);
-    at equal times the network goes first. Ranks therefore act in order of virtual time, ties
+    rank. A second heap holds the network's events (the predicted ends of the flows that share
+    a link, below; a flow alone needs none); at equal times the network goes first. Ranks therefore act in order of virtual time, ties
     broken by the order they were queued: the run is deterministic, and every message is posted
     in time order, which is what lets the network share its links between the flows in progress.
 
@@ -20,8 +20,9 @@ Messages
     links' sharing, below) and queues the message on the pair's channel; ``irecv`` takes the
     pair's next message (messages of a pair match in posting order, as the contract says).
     A send completes at its arrival (eager: it does not wait for the receive to be posted), a
-    receive at ``max(arrival, its own posting time)``; until the flow ends, neither time is known
-    and a rank that waits is woken by the flow's end. The payload is copied when both sides are
+    receive at ``max(arrival, its own posting time)``. Both times are predicted as soon as the
+    flow's rate is known and revised while it is in progress (a rank sleeping until the old
+    time is rescheduled: each rank has one valid wake-up in the heap, the others go stale). The payload is copied when both sides are
     known; a send whose receiver has not posted yet keeps a reference to the sender's tensor and
     copies it aside when the sender's wait returns (the contract keeps it untouched until then).
 
@@ -45,7 +46,9 @@ Links and sharing
 
     A rank's work at one instant (its posts) is settled once, before the clock moves on: the
     rates of every component touched at that instant are recomputed then, so a rank posting
-    ``n`` sends at once costs one recomputation, not ``n``.
+    ``n`` sends at once costs one recomputation, not ``n``. A flow alone on its links is not
+    rated and has no event: its end is ``t + Sβ`` unless another flow joins in time, and its
+    links drop it when the next flow comes (a ring: no event and no recomputation at all).
 
 Deadlock and failure
     When no rank can run and no flow is in progress (both heaps are empty) but some ranks wait, no message they wait for can ever
@@ -79,6 +82,7 @@ import contextvars
 import heapq
 import itertools
 import logging
+import math
 from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence, TypeVar
 
 import torch
@@ -117,7 +121,7 @@ class Fabric(Protocol):
 class _Task:
     """One virtual rank: its greenlet, result and error."""
 
-    __slots__ = ("rank", "glet", "result", "error", "finished", "waiting_on")
+    __slots__ = ("rank", "glet", "result", "error", "finished", "waiting_on", "due")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -126,25 +130,29 @@ class _Task:
         self.error: BaseException | None = None
         self.finished = False
         self.waiting_on: SimRequest | None = None
+        self.due = -1  # the seq of its one valid wake-up in the heap (a revised one leaves a stale entry)
 
 
 class _Flow:
     """A message on the wire: its bytes ``left`` at time ``since``, its current ``rate`` (bytes
     per second) and predicted ``end``; ``links`` are the ``(link, β)`` it crosses (β > 0)."""
 
-    __slots__ = ("send", "links", "beta", "left", "rate", "since", "end", "done", "stamp", "fixed")
+    __slots__ = ("send", "links", "beta", "alpha", "left", "rate", "since", "end", "done", "stamp", "fixed", "event")
 
-    def __init__(self, send: "SimRequest", links: tuple[tuple[int, float], ...], beta: float, size: float, now: float):
-        self.send, self.links, self.beta = send, links, beta
-        self.left, self.rate, self.since, self.end = size, 0.0, now, now
+    def __init__(
+        self, send: "SimRequest", links: tuple[tuple[int, float], ...], beta: float, alpha: float, size: float, now: float
+    ):
+        self.send, self.links, self.beta, self.alpha = send, links, beta, alpha
+        self.left, self.rate, self.since, self.end = size, 0.0, now, math.inf  # inf: not rated yet
         self.done = False
         self.stamp = self.fixed = 0  # marks of the last recomputation that visited / rated it
+        self.event = math.nan  # the end its event in the network's heap is for (none: nan)
 
 
 class SimRequest(Request):
     """A posted send or receive; ``done_at`` is its completion time once known (None: a receive
-    whose message is not sent yet, or a message still on the wire); a send's ``match`` is the
-    receive it was matched with while its flow was in progress."""
+    whose message is not sent yet, or a message whose rate is not settled yet), revised while its
+    flow is in progress as others join or leave its links; a send's ``match`` is its receive."""
 
     __slots__ = ("sim", "recv", "rank", "peer", "tensor", "nbytes", "posted", "done_at", "waiter", "op", "held",
                  "match")
@@ -163,6 +171,8 @@ class SimRequest(Request):
         done = self.done_at
         if done is None or done > sim.now:
             sim._wait(self)
+        if sim.events is not None:
+            sim._trace(self)
         if self.held:  # the receiver has not posted: keep the bytes, the caller may reuse its buffer
             self.held = False
             if sim.copy:
@@ -268,7 +278,9 @@ class Simulation:
                             self.now = when
                             self._finish(flow)
                     elif heap:
-                        when, _, task = heapq.heappop(heap)
+                        when, seq, task = heapq.heappop(heap)
+                        if task.due != seq:  # a wake-up since revised
+                            continue
                         self.now = when
                         self._running = task
                         task.glet.switch(task)  # starts the rank, or resumes it where it blocked
@@ -339,7 +351,9 @@ class Simulation:
         self._running = None
 
     def _wake(self, task: _Task, when: float) -> None:
-        heapq.heappush(self._heap, (when, next(self._seq), task))
+        """(Re)schedule ``task`` at ``when``: its earlier wake-up, if any, goes stale."""
+        task.due = seq = next(self._seq)
+        heapq.heappush(self._heap, (when, seq, task))
 
     def current_rank(self) -> int:
         """The virtual rank running now."""
@@ -382,11 +396,9 @@ class Simulation:
         alpha, beta, links = route
         size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
         if size and beta and self.contention and links:
-            self._start(req, links, beta, size)
+            self._start(req, links, beta, alpha, size)
         else:  # nothing to share: the closed form
             req.done_at = self.now + alpha + size * beta
-            if self.events is not None:
-                self._event(src, f"send to {dst}", self.now, req.done_at, {"bytes": req.nbytes, "op": op})
         if channel:
             key += channel * self._pairs
         waiting = self._recvs.get(key)
@@ -421,8 +433,8 @@ class Simulation:
         return req
 
     def _deliver(self, send: SimRequest, recv: SimRequest) -> None:
-        """Match ``send`` with ``recv``: copy the payload; complete the receive if the send has
-        arrived (else the end of its flow does, :meth:`_finish`)."""
+        """Match ``send`` with ``recv``: copy the payload; the receive completes at the send's
+        arrival, once that is known (and again if it is revised: :meth:`_publish`)."""
         send.held = False
         if send.nbytes != recv.nbytes:
             err = CollectiveError(
@@ -436,46 +448,54 @@ class Simulation:
             return
         if self.copy and send.nbytes:
             recv.tensor.copy_(send.tensor)
-        if send.done_at is None:
-            send.match = recv
-        else:
-            self._arrive(recv, send.done_at, send.rank)
+        send.match = recv
+        if send.done_at is not None:
+            self._arrive(recv, send.done_at)
 
-    def _arrive(self, recv: SimRequest, arrival: float, src: int | None = None) -> None:
-        """Complete ``recv`` at ``max(arrival, its posting)`` (``src``: trace it as a message from there)."""
+    def _arrive(self, recv: SimRequest, arrival: float) -> None:
+        """Complete ``recv`` at ``max(arrival, its posting)``; wake its rank then if it waits."""
         recv.done_at = done = arrival if arrival > recv.posted else recv.posted
-        if src is not None and self.events is not None:
-            self._event(recv.rank, f"recv from {src}", recv.posted, done, {"bytes": recv.nbytes})
         if recv.waiter is not None:
             self._wake(recv.waiter, done)
 
     # ------------------------------------------------------------------ flows (module docstring)
 
-    def _start(self, send: SimRequest, links: tuple[tuple[int, float], ...], beta: float, size: float) -> None:
+    def _start(self, send: SimRequest, links: tuple[tuple[int, float], ...], beta: float, alpha: float, size: float) -> None:
         """Put ``send``'s flow of ``size`` bytes on ``links``. Alone there, it runs at its path's
-        full rate and ends ``size·β`` from now, the closed form; else its component's rates are
-        recomputed before the clock moves on (:meth:`_settle`)."""
+        full rate and ends ``size·β`` from now, the closed form, with no event of its own (no
+        other flow waits for it to leave; its links drop it when the next flow comes, if it
+        has ended by then); else its component's rates are recomputed before the clock moves
+        on (:meth:`_settle`)."""
         now = self.now
-        flow = _Flow(send, links, beta, size, now)
+        flow = _Flow(send, links, beta, alpha, size, now)
         on = self._on
         alone = True
         for link, _ in links:
             sharing = on.get(link)
             if sharing is None:
                 on[link] = {flow: None}
-            else:
-                sharing[flow] = None
-                alone = False
+                continue
+            if sharing:
+                self._drop_ended(sharing)
+                alone = alone and not sharing
+            sharing[flow] = None
         if alone:
             flow.rate = 1.0 / beta
             flow.end = end = now + size * beta
-            heapq.heappush(self._flows, (end, next(self._seq), flow))
+            send.done_at = end + alpha
         else:
             self._dirty.append(flow)
 
+    def _drop_ended(self, sharing: dict[_Flow, None]) -> None:
+        """Take the flows on a link that have ended by now off their links (lone ones have no
+        event; one whose event is still queued for now gets :meth:`_finish` here)."""
+        now = self.now
+        for flow in [f for f in sharing if f.end <= now]:
+            self._finish(flow)
+
     def _finish(self, flow: _Flow) -> None:
-        """``flow``'s last byte has left its path (now): free its links, complete its send (and
-        its receive, if matched) ``α`` later, and have the flows it shared links with re-rated."""
+        """``flow`` has ended (now): free its links and have the flows left on them re-rated.
+        Its arrival was published already (:meth:`_publish`)."""
         flow.done = True
         on, dirty = self._on, self._dirty
         for link, _ in flow.links:
@@ -483,26 +503,31 @@ class Simulation:
             del sharing[flow]
             if sharing:
                 dirty.append(next(iter(sharing)))
-            else:
-                del on[link]
+
+    def _publish(self, flow: _Flow) -> None:
+        """``flow``'s end is (newly) ``flow.end``: its send arrives ``α`` later, and so its receive
+        if matched; a rank sleeping until the old times is rescheduled."""
         send = flow.send
-        send.done_at = arrival = self.now + self._routes[send.rank * self.world_size + send.peer][0]
-        if self.events is not None:
-            self._event(send.rank, f"send to {send.peer}", send.posted, arrival, {"bytes": send.nbytes, "op": send.op})
+        send.done_at = arrival = flow.end + flow.alpha
         if send.waiter is not None:
             self._wake(send.waiter, arrival)
-        recv = send.match
-        if recv is not None:
-            send.match = None
-            self._arrive(recv, arrival, send.rank)
+        if send.match is not None:
+            self._arrive(send.match, arrival)
 
     def _settle(self) -> None:
         """Recompute the max-min fair rates of the components of the dirty flows, as of now."""
-        dirty, self._dirty = self._dirty, []
+        while self._dirty:  # dropping ended flows may dirty more
+            dirty, self._dirty = self._dirty, []
+            self._settle_seeds(dirty)
+
+    def _settle_seeds(self, dirty: list[_Flow]) -> None:
         on = self._on
         floor = next(self._stamps)  # a flow stamped at or above it was visited by this call
         for seed in dirty:
             if seed.done or seed.stamp >= floor:
+                continue
+            if seed.end <= self.now:  # ended at the same time as the flow that dirtied it
+                self._finish(seed)
                 continue
             stamp = next(self._stamps)
             seed.stamp = stamp
@@ -511,6 +536,7 @@ class Simulation:
                 for link, b in flow.links:
                     if link not in links:
                         links[link] = b
+                        self._drop_ended(on[link])
                         for other in on[link]:
                             if other.stamp != stamp:
                                 other.stamp = stamp
@@ -528,7 +554,7 @@ class Simulation:
             flow.since = now
         room = {link: 1.0 / b for link, b in links.items()}
         count = {link: len(on[link]) for link in links}
-        shares = [(room[link] / count[link], link) for link in links]
+        shares = [(room[link] / count[link], link) for link in links if count[link]]
         heapq.heapify(shares)
         while shares:
             share, link = heapq.heappop(shares)
@@ -547,29 +573,42 @@ class Simulation:
                     for other, _ in flow.links:
                         room[other] -= share
                         count[other] -= 1
-        push, seq = heapq.heappush, self._seq
+        push, seq, shared = heapq.heappush, self._seq, len(members) > 1
         for flow in members:
             left = flow.left if flow.left > 0 else 0.0
             # at its path's full rate (alone again): the closed form's product, not a quotient
             end = now + (left * flow.beta if flow.rate * flow.beta >= 1.0 else left / flow.rate)
             if end != flow.end:
                 flow.end = end
+                self._publish(flow)
+            if shared and flow.event != end:  # its end will change the others' rates
+                flow.event = end
                 push(self._flows, (end, next(seq), flow))
 
     def _wait(self, req: SimRequest) -> None:
-        """Block the running rank until ``req`` completes (its time may not be known yet)."""
+        """Block the running rank until ``req`` completes (its time may not be known yet, and may
+        be revised while it sleeps: :meth:`_publish` reschedules it)."""
         task = self._running
         if task is None:
             raise RuntimeError(f"{req.op}: a simulated request can only be waited for by a virtual rank")
-        if req.done_at is None:  # a receive whose message is not sent yet: its sender wakes us
-            req.waiter = task
-            task.waiting_on = req
-            try:
-                self._hub.switch()
-            finally:
-                task.waiting_on = None
-        else:
-            self._until(task, req.done_at)
+        if self._dirty:
+            self._settle()
+        done = req.done_at
+        if done is not None:
+            if done <= self.now:
+                return
+            heap, flows = self._heap, self._flows
+            if (not heap or heap[0][0] > done) and (not flows or flows[0][0] > done):
+                self.now = done  # nothing happens before: no flow can join ours
+                return
+            self._wake(task, done)
+        req.waiter = task  # a receive whose message is not sent yet: its sender wakes us
+        task.waiting_on = req
+        try:
+            self._hub.switch()
+        finally:
+            req.waiter = None
+            task.waiting_on = None
 
     def _until(self, task: _Task, when: float) -> None:
         """Resume ``task`` at ``when``: at once if no other rank, and no flow, has anything to do
@@ -580,10 +619,18 @@ class Simulation:
         if (not heap or heap[0][0] > when) and (not flows or flows[0][0] > when):
             self.now = when
             return
-        heapq.heappush(heap, (when, next(self._seq), task))
+        self._wake(task, when)
         self._hub.switch()
 
     # ------------------------------------------------------------------ trace
+
+    def _trace(self, req: SimRequest) -> None:
+        """Record a completed message on its rank's row (once its time is final: when waited for)."""
+        assert req.done_at is not None
+        if req.recv:
+            self._event(req.rank, f"recv from {req.peer}", req.posted, req.done_at, {"bytes": req.nbytes})
+        else:
+            self._event(req.rank, f"send to {req.peer}", req.posted, req.done_at, {"bytes": req.nbytes, "op": req.op})
 
     def _event(self, rank: int, name: str, start: float, end: float, args: dict[str, Any]) -> None:
         assert self.events is not None
