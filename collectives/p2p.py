@@ -44,6 +44,14 @@ Differences from torch, all raised as errors rather than left to hang or corrupt
 
 Cost: one extra 24-byte message per user message (the header): ``2α + Sβ``. A rank's next header
 from a peer is read once the previous one was taken, by a thread of the mailbox.
+
+**Virtual ranks** (backend ``sim``, :mod:`collectives.sim`) have no threads: their user messages
+travel on the simulation's user channel (``SimTransport.user_channel``: the same links as the
+collectives, their own matching), where a receive posts its header and payload receives at once
+and checks the header when waited for (so every message is a header and a payload, even an
+empty one, and the pair stays in step after a mismatch). They take virtual time like any
+message (header and payload share the path: ``α + (S + 24)β`` alone). Any-source receives
+are not simulated (``ValueError``).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from .errors import CollectiveError, CollectiveTimeoutError, timed_out
 from .group import Group, NonMember, get_group, is_non_member, member
 from .mailbox import Incoming, MessageMismatchError, header
 from .transport.base import Request, Transport, wait_all
+from .transport.sim import SimTransport
 from .work import Work
 
 
@@ -162,8 +171,10 @@ def _wire(g: Group, tensor: torch.Tensor, name: str) -> Transport:
     (NCCL has no tags), shared with the collectives.
     """
     engine = g.engine(tensor.device, name)  # also checks that the backend takes this device
+    transport = getattr(engine, "transport", None)
+    if isinstance(transport, SimTransport):  # virtual ranks (module docstring)
+        return transport.user_channel()
     if tensor.device.type != "cpu":
-        transport = getattr(engine, "transport", None)
         if transport is None:
             raise ValueError(f"{name}: the {g.backend} backend has no transport for {tensor.device} tensors")
         return transport
@@ -175,7 +186,10 @@ def _wire(g: Group, tensor: torch.Tensor, name: str) -> Transport:
 
 def _post_send(transport: Transport, tensor: torch.Tensor, peer: int, tag: int, name: str) -> list[Request]:
     buf = tensor.contiguous().view(-1)
-    sends = [(header(tag, tensor), peer)] + ([(buf, peer)] if buf.numel() else [])
+    if isinstance(transport, SimTransport):  # always a payload, as bytes (module docstring)
+        sends = [(header(tag, tensor), peer), (buf.view(torch.uint8), peer)]
+    else:
+        sends = [(header(tag, tensor), peer)] + ([(buf, peer)] if buf.numel() else [])
     with transport.operation(name):
         return transport.post(sends=sends)
 
@@ -188,8 +202,39 @@ def _finish_send(work: P2PWork, transport: Transport, requests: list[Request], n
     work._complete = complete
 
 
-def _finish_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
+def _post_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
+    """Post ``rec``: record it in the mailbox, whose streams bring its message; on virtual ranks
+    post its messages' receives (:func:`_post_simulated_recv`)."""
+    if isinstance(rec.transport, SimTransport):
+        _post_simulated_recv(work, rec)
+        return
+    g.mailbox.post(rec)
     work._complete = lambda: g.mailbox.complete(rec)
+
+
+def _post_simulated_recv(work: P2PWork, rec: Incoming) -> None:
+    """Virtual ranks: post the header and payload receives of ``rec`` at once; the wait checks the
+    header (module docstring) and copies the payload's bytes into the caller's tensor."""
+    assert rec.peer is not None and rec.src is not None
+    transport, peer, op = rec.transport, rec.peer, rec.op
+    head, raw = torch.empty(3, dtype=torch.int64), torch.empty(rec.tensor.nbytes, dtype=torch.uint8)
+    with transport.operation(op):
+        head_req, body_req = transport.post(recvs=[(head, peer), (raw, peer)])
+
+    def complete() -> None:
+        with transport.operation(op):
+            head_req.wait()
+            rec.expect(peer, rec.src, head.tolist())  # a mismatch is kept on rec
+            try:
+                body_req.wait()
+            except CollectiveError:  # a payload of another size: the header says why
+                if rec.mismatch is None:
+                    raise
+        if rec.mismatch is not None:
+            raise rec.mismatch
+        rec.tensor.copy_(raw.view(rec.tensor.dtype).view(rec.tensor.shape))
+
+    work._complete = complete
 
 
 def isend(
@@ -279,15 +324,13 @@ def _recv(tensor, src, group, tag, group_src, name: str, async_op: bool) -> tupl
             f"{name}: no any-source receive of {tensor.device} tensors on the {g.backend} backend (its wire "
             "is shared with the collectives, where a receive left posted would take their messages); pass src"
         )
+    if peer is None and isinstance(transport, SimTransport):
+        raise ValueError(f"{name}: the sim backend does not simulate any-source receives; pass src")
     g.check_usable(name)
     rec = Incoming(transport, tensor, peer, source, tag, name)
     work = P2PWork(name, g, rec)
 
-    def post() -> None:
-        g.mailbox.post(rec)
-        _finish_recv(work, g, rec)
-
-    g.enqueue(work, post, async_op)
+    g.enqueue(work, lambda: _post_recv(work, g, rec), async_op)
     return work, rec
 
 
@@ -361,8 +404,7 @@ def _post_each(g: Group, transport: Transport, sends: list[_Send], recvs: list[t
     for work, tensor, peer, tag in sends:
         _finish_send(work, transport, _post_send(transport, tensor, peer, tag, name), name)
     for work, rec in recvs:
-        g.mailbox.post(rec)
-        _finish_recv(work, g, rec)
+        _post_recv(work, g, rec)
 
 
 def _post_grouped(g: Group, transport: Transport, sends: list[_Send], recvs: list[tuple[P2PWork, Incoming]]) -> None:

@@ -23,8 +23,10 @@ that network is read off the clock::
 Inside ``main``, ``dist.*`` acts on the calling virtual rank's default group. ``async_op=True``
 runs the collective before the call returns (a virtual rank has no communication thread) and
 returns a completed handle, so such code runs unchanged, but its virtual time shows no overlap
-of communication with what follows. Not simulated: user point-to-point (``send``/``recv``),
-``new_group``; model compute with :func:`compute`.
+of communication with what follows. User point-to-point (``send``, ``recv``, ``isend``,
+``irecv``, ``batch_isend_irecv``) travels on the same links, on a channel of its own
+(``collectives/p2p.py``; no any-source receive). Not simulated: ``new_group``; model compute
+with :func:`compute`.
 
 ``python -m collectives.sim`` sweeps ops, sizes, algorithms and world sizes and prints tables,
 crossovers, a plot and a Chrome trace (:mod:`collectives.sim.study`);
@@ -51,9 +53,9 @@ __all__ = [
 
 class _VirtualProcessGroup:
     """What a :class:`~collectives.group.Group` of a virtual rank holds as its torch process
-    group: the rank, and nothing to send on. Asking its size is what building the user
-    point-to-point wire does first; that raises ``RuntimeError``, which the group's user channel
-    takes as "no wire" (user point-to-point is not simulated)."""
+    group: the rank, and nothing to send on. Asking its size is what building the gloo user
+    channel does first; that raises ``RuntimeError``, which the group's mailbox takes as "no
+    wire" (user point-to-point goes over the simulation's own user channel instead)."""
 
     def __init__(self, rank: int):
         self._rank = rank
@@ -62,7 +64,7 @@ class _VirtualProcessGroup:
         return self._rank
 
     def size(self) -> int:
-        raise RuntimeError("user point-to-point (send/recv/isend/irecv) is not simulated by the sim backend")
+        raise RuntimeError("a virtual rank has no gloo wire (the sim backend carries user messages itself)")
 
 
 def launch(

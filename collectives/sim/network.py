@@ -13,20 +13,18 @@ message takes one of two kinds of path:
   leaves also crosses its leaf's *uplink* and the other leaf's *downlink*, each of bandwidth
   ``hosts_per_switch * nics_per_host * NIC bandwidth / oversubscription``.
 
-Every link is a first-come-first-served queue (:mod:`collectives.transport.sim`): a message
-is carried by each link of its path at that link's rate when the link is free, and arrives
-``α`` after the last one has carried it. Alone on its path, a message costs exactly the α/β
-formula of ``costmodel`` (``β`` of the path's slowest link); messages that meet on a link take
-turns.
+The messages in progress share every link max-min fairly (:mod:`collectives.transport.sim`:
+a fluid model of TCP's sharing): a message's last byte leaves its path when it has had its
+share of each link for long enough, and it arrives ``α`` later. Alone on its path, a message
+costs exactly the α/β formula of ``costmodel`` (``β`` of the path's slowest link); two
+messages posted at once over one NIC both end at ``2Sβ``.
 
 Limits of the model (what it does not see): α is pure latency (a rank can have many messages in
-flight at once, each paying α without holding a link); the links of a path queue independently
-(no head-of-line blocking, no packet interleaving, infinite switch buffers); a link serves its
-messages one after another (first come, first served), where TCP shares it between the flows
-in progress (a binomial broadcast's root posting two sends at once: FIFO ends the first at
-``Sβ``, fair sharing ends both at ``2Sβ``); reductions cost time only with
-``Simulation(reduce_beta=...)``, copies none; no congestion control, no
-adaptive routing, no PCIe or memory-bandwidth limits beyond the links above.
+flight at once, each paying α without holding a link); the sharing is a fluid (no packets,
+switch buffers, head-of-line blocking, slow start, congestion control or losses; exactly
+max-min fair, where real flows with different round-trip times share unevenly); reductions
+cost time only with ``Simulation(reduce_beta=...)``, copies none; no adaptive routing, no PCIe
+or memory-bandwidth limits beyond the links above.
 """
 
 from __future__ import annotations

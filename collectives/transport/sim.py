@@ -10,36 +10,48 @@ Scheduler
     the rank with the earliest wake-up, which runs real Python (the algorithm, torch ops on real
     tensors) in zero virtual time until it waits: on a message not yet sent, on a message still
     on the wire, or in :meth:`Simulation.sleep` (modelled compute). Then the hub resumes the next
-    rank. Ranks therefore act in order of virtual time, ties broken by the order they were
-    queued: the run is deterministic, and every message is posted in time order, which is what
-    lets the network charge shared links first come, first served.
+    rank. A second heap holds the network's events (the predicted ends of the flows that share
+    a link, below; a flow alone needs none); at equal times the network goes first. Ranks therefore act in order of virtual time, ties
+    broken by the order they were queued: the run is deterministic, and every message is posted
+    in time order, which is what lets the network share its links between the flows in progress.
 
 Messages
-    ``isend`` at virtual time ``t`` asks the fabric when the bytes arrive (``route`` and the
-    links' queues, below) and queues the message on the pair's channel; ``irecv`` takes the
+    ``isend`` at virtual time ``t`` starts the message's flow on its path (``route`` and the
+    links' sharing, below) and queues the message on the pair's channel; ``irecv`` takes the
     pair's next message (messages of a pair match in posting order, as the contract says).
-    A receive completes at ``max(arrival, its own posting time)``, a send at the arrival (eager:
-    it does not wait for the receive to be posted). The payload is copied when both sides are
+    A send completes at its arrival (eager: it does not wait for the receive to be posted), a
+    receive at ``max(arrival, its own posting time)``. Both times are predicted as soon as the
+    flow's rate is known and revised while it is in progress (a rank sleeping until the old
+    time is rescheduled: each rank has one valid wake-up in the heap, the others go stale). The payload is copied when both sides are
     known; a send whose receiver has not posted yet keeps a reference to the sender's tensor and
     copies it aside when the sender's wait returns (the contract keeps it untouched until then).
 
-Links and contention
+Links and sharing
     The fabric (:class:`Fabric`; :class:`collectives.sim.network.Network` is the model shipped)
     says for a pair of ranks the latency ``α``, the seconds per byte ``β`` of the path's
-    slowest link, and which links the path crosses, each with its own ``β``. Every link is a
-    first-come-first-served queue: a message of ``S`` bytes posted at ``t`` is carried by link
-    ``l`` from ``max(t, free(l))`` for ``S·β_l`` (then ``free(l)`` moves to the end of that), and
-    arrives ``α`` after the last of its links has carried it, and no sooner than
-    ``t + α + S·β``. Alone on its path a message takes exactly the α/β formula; a link shared by
-    messages at once carries them one after another, so it never moves more bytes per second
-    than its bandwidth, and a collective's time is at least its busiest link's bytes over that
-    link's bandwidth. The links of a path are not coupled (a message may be carried by one link
-    while another still serves earlier messages, as cut-through switching with deep buffers
-    would): the model sees bandwidth sharing, not head-of-line blocking or packet interleaving.
-    ``contention=False`` skips the queues (every message as if alone).
+    slowest link, and which links the path crosses, each with its own ``β``. A message of ``S``
+    bytes is a *flow* from its posting until its last byte has crossed its path; it arrives
+    ``α`` after that. The flows in progress share the links' bandwidth *max-min fairly* (a
+    fluid model of TCP's processor sharing): the link whose bandwidth divided by its flows is
+    the smallest is the bottleneck of those flows, which each get that share; the others split
+    what remains on their own links, recursively (progressive filling). Every time a flow
+    starts or ends, the rates of the flows it shares links with (its connected component, not
+    the whole network) are recomputed and their ends predicted again. So two sends a rank
+    posts at once over one NIC both end at ``2Sβ`` (TCP measured so; a first-come-first-served
+    link would end the first at ``Sβ``), no link ever carries more than its bandwidth, and a
+    message alone on its path takes exactly ``α + Sβ``, the closed form. The links of a path
+    are coupled only through the rates (a fluid: no packets, buffers, head-of-line blocking,
+    slow start or congestion control), and ``α`` is pure latency (it holds no link).
+    ``contention=False`` gives every message its own path (each as if alone).
+
+    A rank's work at one instant (its posts) is settled once, before the clock moves on: the
+    rates of every component touched at that instant are recomputed then, so a rank posting
+    ``n`` sends at once costs one recomputation, not ``n``. A flow alone on its links is not
+    rated and has no event: its end is ``t + Sβ`` unless another flow joins in time, and its
+    links drop it when the next flow comes (a ring: no event and no recomputation at all).
 
 Deadlock and failure
-    When no rank can run (the heap is empty) but some wait, no message they wait for can ever
+    When no rank can run and no flow is in progress (both heaps are empty) but some ranks wait, no message they wait for can ever
     come: each waiting rank gets a :class:`~collectives.errors.CollectiveError` naming its
     collective and the peer it waits for. A bug that hangs a real job (a tree that never sends to
     rank ``2^k``) thus raises at once instead of timing out. A rank that raises ends; the ranks
@@ -70,6 +82,7 @@ import contextvars
 import heapq
 import itertools
 import logging
+import math
 from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence, TypeVar
 
 import torch
@@ -83,6 +96,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: (simulation, global rank) of the virtual rank running in this context (each greenlet has its own).
+#: the channel of user point-to-point messages (:meth:`SimTransport.user_channel`); collectives use 0.
+USER_CHANNEL = 1
+
 _current: contextvars.ContextVar[tuple["Simulation", int] | None] = contextvars.ContextVar("ringddp_sim", default=None)
 
 
@@ -105,7 +121,7 @@ class Fabric(Protocol):
 class _Task:
     """One virtual rank: its greenlet, result and error."""
 
-    __slots__ = ("rank", "glet", "result", "error", "finished", "waiting_on")
+    __slots__ = ("rank", "glet", "result", "error", "finished", "waiting_on", "due")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -114,13 +130,32 @@ class _Task:
         self.error: BaseException | None = None
         self.finished = False
         self.waiting_on: SimRequest | None = None
+        self.due = -1  # the seq of its one valid wake-up in the heap (a revised one leaves a stale entry)
+
+
+class _Flow:
+    """A message on the wire: its bytes ``left`` at time ``since``, its current ``rate`` (bytes
+    per second) and predicted ``end``; ``links`` are the ``(link, β)`` it crosses (β > 0)."""
+
+    __slots__ = ("send", "links", "beta", "alpha", "left", "rate", "since", "end", "done", "stamp", "fixed", "event")
+
+    def __init__(
+        self, send: "SimRequest", links: tuple[tuple[int, float], ...], beta: float, alpha: float, size: float, now: float
+    ):
+        self.send, self.links, self.beta, self.alpha = send, links, beta, alpha
+        self.left, self.rate, self.since, self.end = size, 0.0, now, math.inf  # inf: not rated yet
+        self.done = False
+        self.stamp = self.fixed = 0  # marks of the last recomputation that visited / rated it
+        self.event = math.nan  # the end its event in the network's heap is for (none: nan)
 
 
 class SimRequest(Request):
     """A posted send or receive; ``done_at`` is its completion time once known (None: a receive
-    whose message is not sent yet)."""
+    whose message is not sent yet, or a message whose rate is not settled yet), revised while its
+    flow is in progress as others join or leave its links; a send's ``match`` is its receive."""
 
-    __slots__ = ("sim", "recv", "rank", "peer", "tensor", "nbytes", "posted", "done_at", "waiter", "op", "held")
+    __slots__ = ("sim", "recv", "rank", "peer", "tensor", "nbytes", "posted", "done_at", "waiter", "op", "held",
+                 "match")
 
     def __init__(self, sim: "Simulation", recv: bool, rank: int, peer: int, tensor: torch.Tensor, op: str):
         self.sim, self.recv, self.rank, self.peer, self.tensor, self.op = sim, recv, rank, peer, tensor, op
@@ -129,12 +164,15 @@ class SimRequest(Request):
         self.done_at: float | None = None
         self.waiter: _Task | None = None
         self.held = False  # a send whose receiver has not posted: its payload is still the caller's tensor
+        self.match: SimRequest | None = None
 
     def wait(self) -> None:
         sim = self.sim
         done = self.done_at
         if done is None or done > sim.now:
             sim._wait(self)
+        if sim.events is not None:
+            sim._trace(self)
         if self.held:  # the receiver has not posted: keep the bytes, the caller may reuse its buffer
             self.held = False
             if sim.copy:
@@ -151,7 +189,7 @@ class Simulation:
 
     Args:
         fabric: the network (routes and link bandwidths).
-        contention: queue messages that share a link (else every message goes as if alone).
+        contention: share the links between the messages in progress (else every message goes as if alone).
         byte_scale: the fabric charges ``nbytes * byte_scale`` per message (timing-only studies).
         copy: move payloads (``False``: timing only, the receivers' buffers are left as they are).
         delays: ``{rank: seconds}``: a straggler enters every collective that much late.
@@ -185,12 +223,18 @@ class Simulation:
         self.now = 0.0
         self.messages = 0
         self.events: list[dict[str, Any]] | None = [] if trace else None
-        self._free = [0.0] * fabric.link_count
         self._heap: list[tuple[float, int, _Task]] = []
+        self._flows: list[tuple[float, int, _Flow]] = []  # predicted ends (stale ones are skipped)
+        self._on: dict[int, dict[_Flow, None]] = {}  # per busy link: its flows, in starting order
+        self._dirty: list[_Flow] = []  # flows whose rates must be recomputed before the clock moves
+        self._stamps = itertools.count(1)
         self._seq = itertools.count()
-        self._sends: dict[int, collections.deque[SimRequest]] = {}  # per pair src*n+dst: unmatched sends, oldest first
+        self._pairs = self.world_size * self.world_size
+        # per channel and pair, channel*n*n + src*n + dst: unmatched sends, oldest first
+        self._sends: dict[int, collections.deque[SimRequest]] = {}
         self._recvs: dict[int, collections.deque[SimRequest]] = {}
-        self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...]]] = {}  # per pair, as _sends
+        self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...]]] = {}  # per pair src*n+dst
+        # (links with β = 0 never limit a flow: left out)
         self._running: _Task | None = None
         self._hub: Any = None
 
@@ -222,14 +266,27 @@ class Simulation:
         for task in tasks:
             task.glet = greenlet.greenlet(start, parent=self._hub)
             self._wake(task, self.now)
+        heap, flows = self._heap, self._flows
         try:
             while True:
-                while self._heap:
-                    when, _, task = heapq.heappop(self._heap)
-                    self.now = when
-                    self._running = task
-                    task.glet.switch(task)  # starts the rank, or resumes it where it blocked
-                self._running = None
+                while True:
+                    if self._dirty:
+                        self._settle()
+                    if flows and (not heap or flows[0][0] <= heap[0][0]):
+                        when, _, flow = heapq.heappop(flows)
+                        if not flow.done and flow.end == when:  # else a prediction since revised
+                            self.now = when
+                            self._finish(flow)
+                    elif heap:
+                        when, seq, task = heapq.heappop(heap)
+                        if task.due != seq:  # a wake-up since revised
+                            continue
+                        self.now = when
+                        self._running = task
+                        task.glet.switch(task)  # starts the rank, or resumes it where it blocked
+                        self._running = None
+                    else:
+                        break
                 stuck = [t for t in tasks if not t.finished]
                 if not stuck:
                     break
@@ -240,6 +297,9 @@ class Simulation:
         finally:
             self._running = None
             self._heap.clear()
+            self._flows.clear()
+            self._on.clear()
+            self._dirty.clear()
             self._sends.clear()
             self._recvs.clear()
         if failed:
@@ -291,7 +351,9 @@ class Simulation:
         self._running = None
 
     def _wake(self, task: _Task, when: float) -> None:
-        heapq.heappush(self._heap, (when, next(self._seq), task))
+        """(Re)schedule ``task`` at ``when``: its earlier wake-up, if any, goes stale."""
+        task.due = seq = next(self._seq)
+        heapq.heappush(self._heap, (when, seq, task))
 
     def current_rank(self) -> int:
         """The virtual rank running now."""
@@ -318,55 +380,51 @@ class Simulation:
 
     # ------------------------------------------------------------------ messages
 
-    def isend(self, tensor: torch.Tensor, src: int, dst: int, op: str, byte_scale: float | None = None) -> SimRequest:
+    def isend(
+        self, tensor: torch.Tensor, src: int, dst: int, op: str, byte_scale: float | None = None, channel: int = 0
+    ) -> SimRequest:
         """Post a send from ``src`` to ``dst`` now; it completes when its bytes arrive. The fabric
-        charges its bytes times ``byte_scale`` (default: the simulation's)."""
+        charges its bytes times ``byte_scale`` (default: the simulation's). Messages match per
+        pair and ``channel`` (0: the collectives'; :data:`USER_CHANNEL`: user point-to-point)."""
         req = SimRequest(self, False, src, dst, tensor, op)
         self.messages += 1
-        # the fabric's queues (module docstring): each link carries it when it is free
         key = src * self.world_size + dst
         route = self._routes.get(key)
         if route is None:
-            route = self._routes[key] = self.fabric.route(src, dst)
+            alpha, beta, links = self.fabric.route(src, dst)
+            route = self._routes[key] = (alpha, beta, tuple((link, b) for link, b in links if b > 0))
         alpha, beta, links = route
         size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
-        now = self.now
-        end = now + size * beta
-        if self.contention and size:
-            free = self._free
-            for link, link_beta in links:
-                done = (free[link] if free[link] > now else now) + size * link_beta
-                free[link] = done
-                if done > end:
-                    end = done
-        req.done_at = arrival = end + alpha
-        start = end - size * beta
+        if size and beta and self.contention and links:
+            self._start(req, links, beta, alpha, size)
+        else:  # nothing to share: the closed form
+            req.done_at = self.now + alpha + size * beta
+        if channel:
+            key += channel * self._pairs
         waiting = self._recvs.get(key)
         if waiting:
             recv = waiting.popleft()
             if not waiting:
                 del self._recvs[key]
-            self._deliver(req, recv, arrival)
+            self._deliver(req, recv)
         else:
             req.held = True
             queue = self._sends.get(key)
             if queue is None:
                 queue = self._sends[key] = collections.deque()
             queue.append(req)
-        if self.events is not None:
-            self._event(src, f"send to {dst}", start, arrival, {"bytes": req.nbytes, "op": op})
         return req
 
-    def irecv(self, tensor: torch.Tensor, dst: int, src: int, op: str) -> SimRequest:
-        """Post a receive on ``dst`` of the next message from ``src``."""
+    def irecv(self, tensor: torch.Tensor, dst: int, src: int, op: str, channel: int = 0) -> SimRequest:
+        """Post a receive on ``dst`` of the next message from ``src`` on ``channel``."""
         req = SimRequest(self, True, dst, src, tensor, op)
-        key = src * self.world_size + dst
+        key = src * self.world_size + dst + channel * self._pairs
         queued = self._sends.get(key)
         if queued:
             send = queued.popleft()
             if not queued:
                 del self._sends[key]
-            self._deliver(send, req, send.done_at)
+            self._deliver(send, req)
         else:
             queue = self._recvs.get(key)
             if queue is None:
@@ -374,8 +432,10 @@ class Simulation:
             queue.append(req)
         return req
 
-    def _deliver(self, send: SimRequest, recv: SimRequest, arrival: float) -> None:
-        """Match ``send`` with ``recv``: copy the payload, complete the receive."""
+    def _deliver(self, send: SimRequest, recv: SimRequest) -> None:
+        """Match ``send`` with ``recv``: copy the payload; the receive completes at the send's
+        arrival, once that is known (and again if it is revised: :meth:`_publish`)."""
+        send.held = False
         if send.nbytes != recv.nbytes:
             err = CollectiveError(
                 f"{recv.op}: virtual rank {recv.rank} posted a receive of {recv.nbytes} bytes from rank "
@@ -383,43 +443,194 @@ class Simulation:
                 op=recv.op,
                 peer=send.rank,
             )
-            recv.done_at = self.now
             recv.tensor = err  # type: ignore[assignment] - raised by the receiver's wait
-        else:
-            if self.copy and send.nbytes:
-                recv.tensor.copy_(send.tensor)
-            recv.done_at = max(arrival, recv.posted)
-            if self.events is not None:
-                self._event(recv.rank, f"recv from {send.rank}", recv.posted, recv.done_at, {"bytes": send.nbytes})
-        send.held = False
+            self._arrive(recv, self.now)
+            return
+        if self.copy and send.nbytes:
+            recv.tensor.copy_(send.tensor)
+        send.match = recv
+        if send.done_at is not None:
+            self._arrive(recv, send.done_at)
+
+    def _arrive(self, recv: SimRequest, arrival: float) -> None:
+        """Complete ``recv`` at ``max(arrival, its posting)``; wake its rank then if it waits."""
+        recv.done_at = done = arrival if arrival > recv.posted else recv.posted
         if recv.waiter is not None:
-            self._wake(recv.waiter, recv.done_at)
+            self._wake(recv.waiter, done)
+
+    # ------------------------------------------------------------------ flows (module docstring)
+
+    def _start(self, send: SimRequest, links: tuple[tuple[int, float], ...], beta: float, alpha: float, size: float) -> None:
+        """Put ``send``'s flow of ``size`` bytes on ``links``. Alone there, it runs at its path's
+        full rate and ends ``size·β`` from now, the closed form, with no event of its own (no
+        other flow waits for it to leave; its links drop it when the next flow comes, if it
+        has ended by then); else its component's rates are recomputed before the clock moves
+        on (:meth:`_settle`)."""
+        now = self.now
+        flow = _Flow(send, links, beta, alpha, size, now)
+        on = self._on
+        alone = True
+        for link, _ in links:
+            sharing = on.get(link)
+            if sharing is None:
+                on[link] = {flow: None}
+                continue
+            if sharing:
+                self._drop_ended(sharing)
+                alone = alone and not sharing
+            sharing[flow] = None
+        if alone:
+            flow.rate = 1.0 / beta
+            flow.end = end = now + size * beta
+            send.done_at = end + alpha
+        else:
+            self._dirty.append(flow)
+
+    def _drop_ended(self, sharing: dict[_Flow, None]) -> None:
+        """Take the flows on a link that have ended by now off their links (lone ones have no
+        event; one whose event is still queued for now gets :meth:`_finish` here)."""
+        now = self.now
+        for flow in [f for f in sharing if f.end <= now]:
+            self._finish(flow)
+
+    def _finish(self, flow: _Flow) -> None:
+        """``flow`` has ended (now): free its links and have the flows left on them re-rated.
+        Its arrival was published already (:meth:`_publish`)."""
+        flow.done = True
+        on, dirty = self._on, self._dirty
+        for link, _ in flow.links:
+            sharing = on[link]
+            del sharing[flow]
+            if sharing:
+                dirty.append(next(iter(sharing)))
+
+    def _publish(self, flow: _Flow) -> None:
+        """``flow``'s end is (newly) ``flow.end``: its send arrives ``α`` later, and so its receive
+        if matched; a rank sleeping until the old times is rescheduled."""
+        send = flow.send
+        send.done_at = arrival = flow.end + flow.alpha
+        if send.waiter is not None:
+            self._wake(send.waiter, arrival)
+        if send.match is not None:
+            self._arrive(send.match, arrival)
+
+    def _settle(self) -> None:
+        """Recompute the max-min fair rates of the components of the dirty flows, as of now."""
+        while self._dirty:  # dropping ended flows may dirty more
+            dirty, self._dirty = self._dirty, []
+            self._settle_seeds(dirty)
+
+    def _settle_seeds(self, dirty: list[_Flow]) -> None:
+        on = self._on
+        floor = next(self._stamps)  # a flow stamped at or above it was visited by this call
+        for seed in dirty:
+            if seed.done or seed.stamp >= floor:
+                continue
+            if seed.end <= self.now:  # ended at the same time as the flow that dirtied it
+                self._finish(seed)
+                continue
+            stamp = next(self._stamps)
+            seed.stamp = stamp
+            members, links = [seed], {}
+            for flow in members:  # grows while it runs: the connected component of seed
+                for link, b in flow.links:
+                    if link not in links:
+                        links[link] = b
+                        self._drop_ended(on[link])
+                        for other in on[link]:
+                            if other.stamp != stamp:
+                                other.stamp = stamp
+                                members.append(other)
+            self._rate(members, links, stamp)
+
+    def _rate(self, members: list[_Flow], links: dict[int, float], stamp: int) -> None:
+        """Progressive filling on one component: the link with the smallest fair share
+        (remaining bandwidth / flows not yet rated) fixes its flows' rates at that share; repeat.
+        Then each flow's end is predicted again from the bytes it has left."""
+        now = self.now
+        on = self._on
+        for flow in members:
+            flow.left -= flow.rate * (now - flow.since)
+            flow.since = now
+        room = {link: 1.0 / b for link, b in links.items()}
+        count = {link: len(on[link]) for link in links}
+        shares = [(room[link] / count[link], link) for link in links if count[link]]
+        heapq.heapify(shares)
+        while shares:
+            share, link = heapq.heappop(shares)
+            left = count[link]
+            if not left:
+                continue
+            current = room[link] / left
+            if current > share:  # flows fixed since elsewhere, at less: its share grew
+                heapq.heappush(shares, (current, link))
+                continue
+            share = current if current > 0 else 1.0 / links[link] * 1e-12  # rounding: never stop a flow
+            for flow in on[link]:
+                if flow.fixed != stamp:
+                    flow.fixed = stamp
+                    flow.rate = share
+                    for other, _ in flow.links:
+                        room[other] -= share
+                        count[other] -= 1
+        push, seq, shared = heapq.heappush, self._seq, len(members) > 1
+        for flow in members:
+            left = flow.left if flow.left > 0 else 0.0
+            # at its path's full rate (alone again): the closed form's product, not a quotient
+            end = now + (left * flow.beta if flow.rate * flow.beta >= 1.0 else left / flow.rate)
+            if end != flow.end:
+                flow.end = end
+                self._publish(flow)
+            if shared and flow.event != end:  # its end will change the others' rates
+                flow.event = end
+                push(self._flows, (end, next(seq), flow))
 
     def _wait(self, req: SimRequest) -> None:
-        """Block the running rank until ``req`` completes (its time may not be known yet)."""
+        """Block the running rank until ``req`` completes (its time may not be known yet, and may
+        be revised while it sleeps: :meth:`_publish` reschedules it)."""
         task = self._running
         if task is None:
             raise RuntimeError(f"{req.op}: a simulated request can only be waited for by a virtual rank")
-        if req.done_at is None:  # a receive whose message is not sent yet: its sender wakes us
-            req.waiter = task
-            task.waiting_on = req
-            try:
-                self._hub.switch()
-            finally:
-                task.waiting_on = None
-        else:
-            self._until(task, req.done_at)
+        if self._dirty:
+            self._settle()
+        done = req.done_at
+        if done is not None:
+            if done <= self.now:
+                return
+            heap, flows = self._heap, self._flows
+            if (not heap or heap[0][0] > done) and (not flows or flows[0][0] > done):
+                self.now = done  # nothing happens before: no flow can join ours
+                return
+            self._wake(task, done)
+        req.waiter = task  # a receive whose message is not sent yet: its sender wakes us
+        task.waiting_on = req
+        try:
+            self._hub.switch()
+        finally:
+            req.waiter = None
+            task.waiting_on = None
 
     def _until(self, task: _Task, when: float) -> None:
-        """Resume ``task`` at ``when``: at once if no other rank has anything to do before (or at) then."""
-        heap = self._heap
-        if not heap or heap[0][0] > when:
+        """Resume ``task`` at ``when``: at once if no other rank, and no flow, has anything to do
+        before (or at) then."""
+        if self._dirty:
+            self._settle()
+        heap, flows = self._heap, self._flows
+        if (not heap or heap[0][0] > when) and (not flows or flows[0][0] > when):
             self.now = when
             return
-        heapq.heappush(heap, (when, next(self._seq), task))
+        self._wake(task, when)
         self._hub.switch()
 
     # ------------------------------------------------------------------ trace
+
+    def _trace(self, req: SimRequest) -> None:
+        """Record a completed message on its rank's row (once its time is final: when waited for)."""
+        assert req.done_at is not None
+        if req.recv:
+            self._event(req.rank, f"recv from {req.peer}", req.posted, req.done_at, {"bytes": req.nbytes})
+        else:
+            self._event(req.rank, f"send to {req.peer}", req.posted, req.done_at, {"bytes": req.nbytes, "op": req.op})
 
     def _event(self, rank: int, name: str, start: float, end: float, args: dict[str, Any]) -> None:
         assert self.events is not None
@@ -457,12 +668,14 @@ class SimTransport(Transport):
 
     ``ranks[i]`` is the simulation rank of group rank ``i`` (default: the same numbering);
     ``byte_scale`` overrides the simulation's for this transport's sends (timing-only runs whose
-    buffers stand for different sizes at once, as DDP's buckets do).
+    buffers stand for different sizes at once, as DDP's buckets do); ``channel``: whose messages
+    these are (0: collectives; messages match per pair and channel, as gloo's tags keep them
+    apart).
     """
 
     def __init__(
         self, sim: Simulation, rank: int, ranks: Sequence[int] | None = None, timeout: float = 1800.0,
-        byte_scale: float | None = None,
+        byte_scale: float | None = None, channel: int = 0,
     ):
         members = list(range(sim.world_size) if ranks is None else ranks)
         super().__init__(rank, len(members), timeout)
@@ -470,6 +683,15 @@ class SimTransport(Transport):
         self.members = members
         self.me = members[rank]
         self.byte_scale = byte_scale
+        self.channel = channel
+        self._user: SimTransport | None = None
+
+    def user_channel(self) -> "SimTransport":
+        """The same ranks on :data:`USER_CHANNEL`: the wire of user point-to-point
+        (``collectives.p2p``), whose messages never meet the collectives' and share the links with them."""
+        if self._user is None:
+            self._user = SimTransport(self.sim, self.rank, self.members, self.timeout, self.byte_scale, USER_CHANNEL)
+        return self._user
 
     @classmethod
     def for_group(cls, group: GroupInfo) -> "SimTransport":
@@ -480,8 +702,8 @@ class SimTransport(Transport):
 
     def operation(self, name: str) -> ContextManager[None]:
         sim = self.sim
-        delay = sim.delays.get(self.me, 0.0)
-        if delay:  # a straggler: late into every collective
+        delay = 0.0 if self.channel else sim.delays.get(self.me, 0.0)
+        if delay:  # a straggler: late into every collective (not into user point-to-point)
             sim.sleep_until(sim.now + delay)
         if sim.events is None and not sim.reduce_beta:
             return super().operation(name)
@@ -505,18 +727,18 @@ class SimTransport(Transport):
             combine_cost.reset(token)
 
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
-        return self.sim.isend(tensor, self.me, self.members[peer], self.op, self.byte_scale)
+        return self.sim.isend(tensor, self.me, self.members[peer], self.op, self.byte_scale, self.channel)
 
     def irecv(self, tensor: torch.Tensor, peer: Peer) -> Request:
-        return self.sim.irecv(tensor, self.me, self.members[peer], self.op)
+        return self.sim.irecv(tensor, self.me, self.members[peer], self.op, self.channel)
 
     def post(self, sends: Sequence[Message] = (), recvs: Sequence[Message] = ()) -> list[Request]:
-        sim, me, members, op, scale = self.sim, self.me, self.members, self.op, self.byte_scale
+        sim, me, members, op, scale, channel = self.sim, self.me, self.members, self.op, self.byte_scale, self.channel
         requests: list[Request] = []
         for t, p in recvs:
-            requests.append(sim.irecv(t, me, members[p], op))
+            requests.append(sim.irecv(t, me, members[p], op, channel))
         for t, p in sends:
-            requests.append(sim.isend(t, me, members[p], op, scale))
+            requests.append(sim.isend(t, me, members[p], op, scale, channel))
         return requests
 
 

@@ -17,7 +17,9 @@ import collectives as dist
 from collectives import sim
 from collectives.costmodel import Link
 from collectives.sim import Network, Simulation, ddp, study
+from collectives.mailbox import MessageMismatchError
 from collectives.sim.__main__ import main
+from collectives.transport.base import wait_all
 from collectives.transport.sim import SimTransport
 from collectives.tuning import Tuning
 
@@ -138,6 +140,80 @@ def test_one_message_takes_alpha_plus_bytes_times_beta() -> None:
     assert times[1] == pytest.approx(INTRA.alpha + nbytes * INTRA.beta, rel=1e-12)
     uplink = INTER.beta * 2.0  # one host and one NIC per leaf, oversubscribed 2:1: half a NIC
     assert times[2] == pytest.approx(times[1] + INTER.alpha + nbytes * uplink, rel=1e-12)
+
+
+def test_links_share_their_bandwidth_max_min_fairly() -> None:
+    """The messages in progress share each link, as TCP's flows do (one host per rank here).
+    Rank 0 posts A to 1 and B to 2 at once while ranks 3, 4 send C, D to 2: rank 2's in port
+    gives B, C, D a third each, and A takes the 2/3 left on rank 0's out port (an equal split
+    of each link would give it 1/2): A ends at 1.5·Sβ, then B, C, D at 3·Sβ. And a message that
+    joins late: rank 0 to 1 from 0, rank 2 to 1 from Sβ/2: half each until the first ends at
+    1.5·Sβ, then the second alone until 2·Sβ."""
+    nbytes, link = 1 << 20, Link(1e-5, 1e-9)
+    sb = nbytes * link.beta
+
+    def run(n: int, body) -> list[float]:
+        s = Simulation(Network.flat(n, link))
+        return s.run(lambda rank: body(s, SimTransport(s, rank), rank))
+
+    def shared(s: Simulation, tr: SimTransport, rank: int) -> float:
+        t = torch.zeros(nbytes // 4)
+        if rank == 0:
+            wait_all(tr.post(sends=[(t, 1), (t, 2)]))
+        elif rank in (3, 4):
+            tr.send(t, 2)
+        else:
+            wait_all(tr.post(recvs=[(torch.empty_like(t), 0)] + ([(torch.empty_like(t), 3), (torch.empty_like(t), 4)] if rank == 2 else [])))
+        return s.now
+
+    assert run(5, shared)[1:3] == pytest.approx([link.alpha + 1.5 * sb, link.alpha + 3 * sb], rel=1e-9)
+
+    def late(s: Simulation, tr: SimTransport, rank: int) -> float:
+        t = torch.zeros(nbytes // 4)
+        if rank == 1:
+            tr.recv(t, 0)
+            first = s.now
+            tr.recv(t, 2)
+            return s.now - first
+        s.sleep(sb / 2 if rank == 2 else 0.0)
+        tr.send(t, 1)
+        return s.now
+
+    times = run(3, late)
+    assert times[0] == pytest.approx(link.alpha + 1.5 * sb, rel=1e-9)
+    assert times[1] == pytest.approx(0.5 * sb, rel=1e-9)  # the second arrives at α + 2·Sβ
+
+
+def test_user_point_to_point_runs_on_the_virtual_clock() -> None:
+    """send/recv/isend/irecv between virtual ranks: the data (non-contiguous too), the time of a
+    message (header and payload share the path: α + (S + 24)β), a mismatch raised with the pair
+    still in step, and no any-source receive."""
+    numel = 1 << 16
+
+    def body(rank: int, n: int) -> float:
+        t = torch.arange(2 * numel, dtype=F64)[::2] + rank
+        start = spent = sim.clock()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.isend(torch.ones(3), 1, tag=7).wait()
+            dist.send(torch.full((5,), 2.0), dst=1)
+        elif rank == 1:
+            got = torch.empty(numel, dtype=F64)
+            assert dist.recv(got, 0) == 0 and torch.equal(got, t - 1)
+            spent = sim.clock() - start
+            with pytest.raises(MessageMismatchError, match="tag=7"):
+                dist.irecv(torch.empty(4), 0).wait()
+            after = torch.empty(5)
+            dist.recv(after, src=0)
+            assert torch.equal(after, torch.full((5,), 2.0))
+            with pytest.raises(ValueError, match="any-source"):
+                dist.recv(after)
+        dist.barrier()  # collectives after user messages: their own channel
+        return spent
+
+    link = Network.flat(3).inter
+    times = dist.launch(body, 3, backend="sim")
+    assert times[1] == pytest.approx(link.alpha + (numel * 8 + 24) * link.beta, rel=1e-9)
 
 
 @pytest.mark.parametrize("n", [2, 7, 16])
@@ -334,4 +410,6 @@ def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, 
     main(["validate", str(path), "--hosts", "4"])
     out = capsys.readouterr().out
     assert "intra alpha 20.0 us, beta 0.600 ns/B" in out and "reductions 0.100 ns/B" in out
-    assert f"{2 * (1e-4 + (16 << 20) * 8e-9) * 1e6:.0f}" in out  # root's link: two sends; then one forward
+    # the root posts its two sends at once and its link shares them (TCP measured so): both end
+    # at 2Sβ (first come, first served would end the first at Sβ); then one forward: 3Sβ + 2α
+    assert f"{(3 * (16 << 20) * 8e-9 + 2 * 1e-4) * 1e6:.0f}" in out
