@@ -59,7 +59,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.sim",),
     # the public API
     ("collectives.api", "collectives.launch", "collectives.elastic"),
-    ("collectives.p2p",),
+    ("collectives.p2p", "collectives.persistent"),
     ("collectives.objects", "collectives.compat", "collectives.torch_backend"),
     ("collectives",),
     # tools on top of the API
