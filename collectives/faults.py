@@ -10,9 +10,10 @@ makes the process whose ``RANK`` is ``<rank>`` SIGKILL itself the ``n``-th time 
 ``<phase>`` (counted per process from 1), after creating ``<flag file>``; a process that finds
 the flag file already there never fires, so a job restarted with the same environment (torchrun
 keeps it) is killed once. Several points, separated by commas (at most one per phase and rank),
-kill a job several times: each fires once, in whichever start of the job reaches it. The variable is read at the first :func:`reached` of the process (not
-at import: a rank forked from a preloaded server gets its environment after the import). Unset,
-:func:`reached` costs one global lookup.
+kill a job several times: each fires once, in whichever start of the job reaches it. The
+variable is read at the first :func:`reached` of the process (not at import: a rank forked from
+a preloaded server gets its environment after the import). Unset, :func:`reached` costs one
+global lookup.
 
 Phases marked: ``"collective"`` (:meth:`collectives.group.Group.run`, with the call's header on
 the wire and before its data moves: the peers are inside the same collective), and whatever the
@@ -63,13 +64,16 @@ def _arm() -> dict[str, _Point]:
     return points
 
 
-_points: dict[str, _Point] | bool = False  # False: the environment not read yet
+_points: dict[str, _Point] | None = None  # None: the environment not read yet
+
+
+def _armed() -> dict[str, _Point]:
+    return _arm() if _points is None else _points
 
 
 def reached(phase: str) -> None:
     """Mark that this process is now in ``phase``; SIGKILL it here if the armed point says so."""
-    points = _arm() if _points is False else _points
-    point = points.get(phase) if points else None
+    point = _armed().get(phase)
     if point is None:
         return
     with point.lock:
@@ -91,7 +95,7 @@ def mark_backward(module: torch.nn.Module) -> None:
     """Reach ``"backward"`` whenever the gradient of ``module``'s output has been computed: the
     backward pass is then past every later layer, whose gradients exist and whose buckets'
     collectives may be running. Registers nothing unless the point is armed for ``"backward"``."""
-    if "backward" not in (_arm() if _points is False else _points):
+    if "backward" not in _armed():
         return
 
     def forward_hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:

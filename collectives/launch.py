@@ -139,8 +139,8 @@ def start_process(target: Callable[..., Any], args: tuple, name: str) -> mp.proc
     more ranks than cores is the slowest part of a short job). The new process still gets what
     a spawned one gets: a fresh interpreter state for ``target``'s module, this process's
     environment and its stdout/stderr as of this call (not the server's, which are those of its
-    first use), ``OMP_NUM_THREADS`` applied, NumPy's global RNG freshly seeded (Python's ``random``
-reseeds itself after a fork). ``spawn`` (``$RINGDDP_START_METHOD=spawn``) starts a
+    first use), ``OMP_NUM_THREADS`` applied, NumPy's global RNG freshly seeded (Python's
+    ``random`` reseeds itself after a fork). ``spawn`` (``$RINGDDP_START_METHOD=spawn``) starts a
     new interpreter for every process. Arguments are pickled either way."""
     method = start_method()
     ctx = mp.get_context(method)
@@ -174,7 +174,7 @@ def _enter(environment: dict[str, str], _stdio: None, target: Callable[..., Any]
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     numpy = sys.modules.get("numpy")
-    if numpy is not None:  # a forked process has its server's global NumPy RNG: draw a fresh seed, as a spawned one does
+    if numpy is not None:  # forked: the server's global NumPy RNG; a spawned process draws a fresh seed
         numpy.random.seed()
     target(*args)
 

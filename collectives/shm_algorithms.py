@@ -193,11 +193,12 @@ def _one_shot_operands(regions: SharedRegions, buf: torch.Tensor, half: int) -> 
 
 
 def _one_shot(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp, signature: int,
-              operands_in: Callable[[int], tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
-    """The one-shot all-reduce of ``buf`` (see the module docstring); ``operands_in(half)``:
-    :func:`_one_shot_operands` of that half."""
+              planned: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = None) -> None:
+    """The one-shot all-reduce of ``buf`` (see the module docstring); ``planned``: both halves'
+    :func:`_one_shot_operands`, made once (else made here for the half in use)."""
     n = regions.world_size
-    mine, operands = operands_in(regions.begin_piece(signature))
+    half = regions.begin_piece(signature)
+    mine, operands = planned[half] if planned is not None else _one_shot_operands(regions, buf, half)
     mine.copy_(buf)
     regions.step(range(n))
     _reduce_into(op, buf, operands)
@@ -219,7 +220,7 @@ def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> 
     if n == 1 or numel == 0 or not one_shot_fits(regions, numel * dtype.itemsize):
         return None
     halves = [_one_shot_operands(regions, buf, h) for h in (0, 1)]
-    return functools.partial(_one_shot, regions, buf, op, _signature("all_reduce", numel, dtype, op), halves.__getitem__)
+    return functools.partial(_one_shot, regions, buf, op, _signature("all_reduce", numel, dtype, op), halves)
 
 
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
@@ -232,7 +233,7 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     numel, dtype = buf.numel(), buf.dtype
     signature = _signature("all_reduce", numel, dtype, op)
     if one_shot_fits(regions, numel * dtype.itemsize):
-        _one_shot(regions, buf, op, signature, functools.partial(_one_shot_operands, regions, buf))
+        _one_shot(regions, buf, op, signature)
         return
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
         piece = buf[lo:hi]
