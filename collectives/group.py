@@ -422,7 +422,14 @@ class Group:
         """Release the group: wait for its queue (on a broken group only the call in flight, if
         any, takes time: the rest fail at once), stop its thread, say goodbye to the peers' user
         point-to-point (:meth:`Mailbox.close <collectives.mailbox.Mailbox.close>`), close its
-        engines (shared-memory segments, connections)."""
+        engines (shared-memory segments, connections).
+
+        A broken group also lets go of its torch process group (``process_group`` becomes
+        ``None``): gloo closes its connections when the last reference goes, so a peer still
+        waiting on this rank inside the failed collective (it was not next to the failure) fails at
+        once instead of at its deadline. Without this the references held by the failure's
+        traceback (a reference cycle) would keep the connections open until the garbage
+        collector ran."""
         self._executor.close()
         self.mailbox.close()
         with self._building:
@@ -430,6 +437,9 @@ class Group:
                 engine.close()
             self._engines.clear()
             self._by_device.clear()
+        if self._failure is not None:
+            self.mailbox.release()
+            self.process_group = None
 
 
 def _exchange_hosts(store: dist.Store, rank: int, size: int, seconds: float) -> list[str]:

@@ -195,6 +195,10 @@ class _Stream:
         return self.request is None and self.arrival is None and self.failure is None and not self.closed
 
 
+def _no_channel() -> TorchP2PTransport:
+    raise RuntimeError("the group was closed")
+
+
 class Mailbox:
     """The pending receives and the streams of one group (each
     :class:`~collectives.group.Group` owns one: ``group.mailbox``); see the module docstring.
@@ -405,4 +409,14 @@ class Mailbox:
         with self.lock:
             probing = [s for s in self._streams.values() if s.transport is channel]
             self._changed.wait_for(lambda: all(s.reader is None for s in probing), max(0.0, deadline - time.monotonic()))
+
+    def release(self) -> None:
+        """After :meth:`close`: drop the user channel and every transfer that holds the process
+        group (a broken group lets it go, ``Group.close``); the mailbox is unusable afterwards."""
+        with self.lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel, self._make_channel = None, _no_channel
+            self.pending, self._goodbyes = [], []
+            self._streams.clear()
 

@@ -146,6 +146,12 @@ class TorchP2PTransport(Transport):
         except RuntimeError:
             pass
 
+    def close(self) -> None:
+        """Drop the references to the process group and to header transfers, so that a broken
+        group's close lets the process group (and its connections) go (``Group.close``)."""
+        self._pg = None
+        self._header_sends = []
+
     def _post(self, method, tensor: torch.Tensor, peer: Peer, tag: int, kind: str) -> dist.Work:
         try:  # the process group's own methods take group ranks and skip torch's Python-side checks
             return method([tensor], peer, tag)

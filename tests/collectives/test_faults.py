@@ -352,3 +352,44 @@ def test_work_queued_behind_a_failure_fails_at_once_with_the_first_error(tmp_pat
         ddp = report["ddp"]
         assert "all_reduce" in ddp["message"] and "unusable" not in ddp["message"], ddp["message"]
         assert ddp["backward_s"] < timeout + 3.0 and ddp["destroy_s"] < 1.0 + 2.0, (fault, ddp)
+
+
+def gives_up(rank: int, world_size: int, backend: str, hold: float) -> float | None:
+    """Rank 0 finds its group broken (as after a peer's failure: the error, with its traceback,
+    is the group's failure) and closes it, then lives on until the others are done (at most
+    ``hold`` seconds); the others wait on it inside a broadcast and return how long until they
+    failed."""
+    group = collectives.Group.from_store(torch.distributed.PrefixStore("gives-up/", collectives.get_group().store), rank,
+                                         world_size, 60.0, backend=backend, name="gives-up")
+    t = torch.ones(1000)
+    collectives.all_reduce(t, group=group)
+    if rank == 0:
+        try:
+            raise CollectiveError("rank 0 gives up (a test)", op="test")
+        except CollectiveError as exc:
+            group.mark_broken(exc)
+        group.close()
+        store = collectives.get_group().store  # alive until the others are done, or for ``hold`` seconds
+        store.wait([f"gives-up/done/{r}" for r in range(1, world_size)], datetime.timedelta(seconds=hold))
+        return None
+    started = time.monotonic()
+    with pytest.raises(CollectiveError, match="rank 0"):
+        collectives.broadcast(t, src=0, group=group)
+    seconds = time.monotonic() - started
+    group.close()
+    collectives.get_group().store.set(f"gives-up/done/{rank}", "1")
+    return seconds
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "p2p"])
+def test_closing_a_broken_group_ends_the_peers_waits_on_this_rank_at_once(backend):
+    """Group.close docstring: a rank that gives up on a broken group (re-forming after a peer's
+    failure) closes its connections then, not when it exits or its garbage is collected, so
+    peers still waiting on it inside the failed collective (not next to the failure: they saw
+    nothing) fail at once instead of at their deadline (60 s here; before, p2p's waited until
+    rank 0 exited)."""
+    hold = 30.0
+    out = collectives.launch(gives_up, 3, backend, hold, backend=backend, timeout=60, join_timeout=100)
+    assert all(s < 10.0 for s in out[1:]), out
+
