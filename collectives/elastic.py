@@ -23,7 +23,11 @@ inside a collective end at once (EOF on the shared-memory wake-up sockets, a res
 connection) instead of at the deadline.
 
 **Re-forming** (:meth:`ElasticGroup.reform`). Each survivor closes the broken generation (its
-threads stop, its shared-memory segments are released) and asks to join the next one by
+threads stop, its shared-memory segments are released, its gloo connections are closed: a
+broken group lets go of its process group, and a garbage collection frees the gloo transfers
+that a failure's traceback still held in reference cycles, so a survivor still waiting on this
+one inside the failed collective fails at once rather than at its deadline; a process that
+calls :func:`gc.freeze` once set up makes that collection cheap) and asks to join the next one by
 appending ``uid:slot`` to that generation's log in the store (an ``add`` gives each entry its
 index). When the wanted slots are all present (or, when shrinking is allowed, when the wait is
 over), a member proposes the membership with ``compare_set`` on the generation's ``members``
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -293,9 +298,11 @@ class ElasticGroup:
         slots. Raises :class:`FencedError` if this member was fenced or left out.
         """
         if self.group is not None:
-            self.group.mark_broken(CollectiveError(f"group {self.group.name} re-forms", op="reform"))
-            self.group.close()
-            self.group = None
+            old, self.group = self.group, None
+            old.mark_broken(CollectiveError(f"group {old.name} re-forms", op="reform"))
+            old.close()
+            del old
+            gc.collect()  # what still holds its connections: a failure's traceback, in cycles (module docstring)
         if self._fenced is None and self._heartbeat is not None and not self._heartbeat.in_contact():
             self._fenced = (f"cut off: no heartbeat reached the store for {self._heartbeat.bound:g}s (the others fence "
                             "a member that silent)")

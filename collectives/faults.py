@@ -18,8 +18,9 @@ global lookup.
 Phases marked: ``"collective"`` (:meth:`collectives.group.Group.run`, with the call's header on
 the wire and before its data moves: the peers are inside the same collective), and whatever the
 layers above mark (``ddp.train``: ``"backward"``, ``"step"``; ``ddp.checkpoint``: ``"checkpoint"``;
-``ddp.elastic``: ``"heal"``, reached by a replacement in the middle of healing). A process
-without ``RANK`` in its environment counts as rank 0.
+``ddp.elastic``: ``"heal"``, reached by a replacement in the middle of healing, and ``"step"``,
+between a step's gradient exchange and its update; there a member's rank is its slot). A
+process without ``RANK`` in its environment counts as rank 0.
 """
 
 from __future__ import annotations

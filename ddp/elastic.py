@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import hashlib
 import logging
 import multiprocessing as mp
@@ -201,13 +202,13 @@ class Config:
     respawn_wait: float = 60.0  # seconds survivors wait for a replacement
     spares: int = 0  # warm spares kept ready to take a lost slot
     max_respawns: int | None = None  # replacements (spares or new processes) over the run; None: no limit
+    # processes in a row of one slot (or spares in a row) that may die before their first committed
+    # step (a spare: before it is ready); one more fails the run: something kills them as they start
+    start_failures: int = 3
     shrink: bool = False  # no replacement within respawn_wait: go on with fewer members (an EpochJob)
     schedule: tuple[tuple[int, tuple[int, ...]], ...] = ()  # shrink: (step, slots) changes to apply, no failures
     report_progress: bool = False  # publish each committed step (for chaos at given steps)
     zero: int = 0  # 0: our bucketed DDP; 1, 2: ZeRO-1/2 with a replica of each optimizer shard
-    # (step, slot): ZeRO: the slot's first member SIGKILLs itself inside that step's update, after
-    # its replica's update, before its own (tests: the others then hold updates nobody commits)
-    crash_in_update: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2):
@@ -221,6 +222,8 @@ class Config:
             raise ValueError("ddp.elastic.Config: shrink mode runs our DDP only: drop shrink or use zero=0")
         if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
             raise ValueError(f"ddp.elastic.Config: spares must be an int >= 0, got {self.spares!r}")
+        if isinstance(self.start_failures, bool) or not isinstance(self.start_failures, int) or self.start_failures < 1:
+            raise ValueError(f"ddp.elastic.Config: start_failures must be an int >= 1, got {self.start_failures!r}")
         if self.max_respawns is not None and (not isinstance(self.max_respawns, int) or self.max_respawns < 0):
             raise ValueError(f"ddp.elastic.Config: max_respawns must be None or an int >= 0, got {self.max_respawns!r}")
         if (self.shrink or self.schedule) and not all(hasattr(self.job, a) for a in ("epochs", "rows", "batch_at")):
@@ -320,6 +323,7 @@ class ReplicatedTrainer(_Trainer):
         self.snapshot_buffers()  # the attempt's forward updates them
         nn.functional.cross_entropy(self.ddp(x), y).backward()
         self.before = None
+        faults.reached("step")  # a test's kill point: the gradients all-reduced, not applied yet
         self.opt.step()
 
     def abandon(self) -> None:
@@ -431,8 +435,7 @@ class ShardedTrainer(_Trainer):
         shift.wait()
         self.pending, self.before = undo, None
         self.replica.step(incoming)
-        if self.cfg.crash_in_update == (step, me) and not self.replacement:  # rank = slot: the world is full
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.reached("step")  # a test's kill point: the replica updated, the own shard not yet
         self.zopt.step()  # the own shard's update, then the all-gather of the parameters: the commit
         self.scratch["undo"], self.pending = self.pending, None
 
@@ -504,6 +507,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
     after this member's first committed step."""
     ready_made = ready is not None
     ready = ready or prepare(cfg, port, replacement)
+    gc.freeze()  # what exists now lives as long as the process: re-forming's gc.collect() skips it
     store, trainer = ready.store, ready.trainer
     if cfg.spares and not replacement:  # the run starts once its spares are ready
         store.wait([_GO])
@@ -554,12 +558,16 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
                     store.set(f"ringddp/ddp-elastic/progress/{slot}", f"{step}:{eg.generation}")
             except collectives.CollectiveError as exc:
                 log.warning("step %d failed (%s); re-forming", step, str(exc).splitlines()[0][:160])
-                trainer.abandon()
-                started = time.monotonic()
-                failed += 1
-                eg.reform(allow_shrink=cfg.shrink, wait=cfg.respawn_wait)
                 stale = True
-                log.info("generation %d formed in %.2fs", eg.generation, time.monotonic() - started)
+            else:
+                continue
+            # out of the except block, whose traceback held the old generation's group: re-forming
+            # closes it, and its connections close with it (peers waiting on them fail now)
+            trainer.abandon()
+            started = time.monotonic()
+            failed += 1
+            eg.reform(allow_shrink=cfg.shrink, wait=cfg.respawn_wait)
+            log.info("generation %d formed in %.2fs", eg.generation, time.monotonic() - started)
         return {"slot": slot, "uid": eg.me.uid, "generation": eg.generation, "steps": step, "failed_steps": failed,
                 "step_seconds": seconds, "spare": ready_made, "history": extra["history"] if extra is not None else None,
                 **trainer.final(eg.group, eg.rank() == 0)}  # rank 0: slot 0, unless shrink mode dropped it
@@ -601,7 +609,8 @@ def _child(cfg: Config, port: int, slot: int | None, replacement: bool, conn) ->
             send("ready", None)
             slot = pickle.loads(conn.recv_bytes())
         configure_logging(slot)
-        send("ok", member(cfg, port, slot, replacement, ready, on_commit=(lambda: send("joined", None)) if ready else None))
+        os.environ["RANK"] = str(slot)  # a fault point's rank (collectives.faults) is the slot
+        send("ok", member(cfg, port, slot, replacement, ready, on_commit=lambda: send("joined", None)))
     except collectives.FencedError as exc:
         send("fenced", str(exc))
         os._exit(3)
@@ -655,6 +664,20 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
     owed: list[float] = []  # when to start a spare at the latest (one per spare that took a slot)
     vacant: set[int] = set()  # slots given up (shrink mode)
     events: list[str] = []
+    committed: set[int] = set()  # pids of members that committed a step
+    took: set[int] = set()  # pids of spares that took a slot
+    early: dict[int | None, int] = {}  # slot (None: the spares) -> its processes in a row that died before committing
+
+    def died_early(slot: int | None, p: mp.Process) -> None:
+        """A process of ``slot`` died before its first committed step (a spare: before it was
+        ready): fail the run once ``cfg.start_failures`` did so in a row, rather than start the
+        next one to die the same way, without end."""
+        early[slot] = early.get(slot, 0) + 1
+        if early[slot] >= cfg.start_failures:
+            who = "spares" if slot is None else f"processes of slot {slot}"
+            raise collectives.LaunchError(
+                f"ddp.elastic: {early[slot]} {who} in a row died before committing a step (the last: pid {p.pid}, "
+                f"exit {p.exitcode}): something kills them as they start (see their log above); events: {events}")
 
     def spawn(slot: int | None, replacement: bool) -> tuple[mp.Process, Any]:
         parent, child = mp.Pipe()
@@ -679,6 +702,7 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
             spares.sort(key=lambda s: s[0].pid not in warm)  # stable: the oldest ready spare first
             p, conn = procs[slot] = spares.pop(0)
             conn.send_bytes(pickle.dumps(slot))
+            took.add(p.pid)
             if cfg.max_respawns is None or recoveries < cfg.max_respawns:  # else no spare could be used
                 owed.append(time.monotonic() + 10.0)
             events.append(f"{time.monotonic() - t0:.2f}s: slot {slot}: pid {p.pid} "
@@ -749,29 +773,34 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                 if conn in ready:
                     try:
                         status, _ = pickle.loads(conn.recv_bytes())
-                    except EOFError:
+                    except (EOFError, OSError):  # the pipe's end closed, or was reset by the dying process
                         status = "died"
                     if status == "ready":
                         warm.add(p.pid)
+                        early[None] = 0
                         continue
                     spares.remove((p, conn))
                     p.join(5)
                     events.append(f"{time.monotonic() - t0:.2f}s: spare (pid {p.pid}) died, exit {p.exitcode}")
                     log.warning(events[-1])
+                    if p.pid not in warm:
+                        died_early(None, p)
                     add_spare()
             for slot, p, conn in live:
                 if conn in ready:
                     try:
                         status, value = pickle.loads(conn.recv_bytes())
-                    except EOFError:
+                    except (EOFError, OSError):
                         status, value = "died", None
                     if status == "ok":
                         reports[slot] = value
                         continue
                     if status == "ready":  # a spare that was given its slot before it was ready
                         continue
-                    if status == "joined":  # a spare took the slot: its successor may start now
-                        if owed:
+                    if status == "joined":  # its first committed step; a spare's successor may start now
+                        committed.add(p.pid)
+                        early[slot] = 0
+                        if p.pid in took and owed:
                             owed.pop(0)
                             add_spare()
                         continue
@@ -785,6 +814,8 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                 events.append(f"{time.monotonic() - t0:.2f}s: slot {slot} (pid {p.pid}) {status}, exit {p.exitcode}"
                               + (f": {value}" if value else ""))
                 log.warning(events[-1])
+                if p.pid not in committed:
+                    died_early(slot, p)
                 if reports:  # the others left after the last step: no one is there to heal a replacement from
                     raise collectives.LaunchError(
                         f"slot {slot} was lost after slots {sorted(reports)} finished the run: its final report is "

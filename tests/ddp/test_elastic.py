@@ -88,6 +88,49 @@ def test_losing_every_holder_of_the_state_fails_loudly():
         elastic.run(cfg, [(3, 0, signal.SIGKILL), (3, 1, signal.SIGKILL)], join_timeout=350)
 
 
+@pytest.mark.timeout(400)
+def test_four_members_on_p2p_lose_one_in_each_phase_and_end_bitwise_equal(tmp_path, monkeypatch):
+    """Our DDP, 4 members on ``p2p`` (gloo's TCP): slot 1 dies inside an all-reduce (its 20th
+    collective: a bucket's, launched from backward), slot 2 inside its optimizer step (its
+    gradients all-reduced, not applied: the others commit that step without it), slot 3 is
+    killed from here after step 10 and its first replacement dies while it heals, and slot 0 is
+    stopped (SIGSTOP) from here after step 50, wherever it is, and found by heartbeat. Every
+    loss is healed from a live member and the step redone: the final parameters and optimizer
+    state are bitwise those of the same run without failures."""
+    cfg = elastic.Config(job=elastic.SyntheticJob(steps=80), world_size=4, backend="p2p", heartbeat=2.0,
+                         report_progress=True)
+    ref = elastic.run(cfg, join_timeout=300)
+    flags = [tmp_path / name for name in ("collective", "step", "heal")]
+    monkeypatch.setenv("RINGDDP_KILL_AT", f"collective:20:1:{flags[0]},step:35:2:{flags[1]},heal:1:3:{flags[2]}")
+    out = elastic.run(cfg, [(10, 3, signal.SIGKILL), (50, 0, signal.SIGSTOP)], join_timeout=300)
+    assert all(f.exists() for f in flags) and out.recoveries >= 5, out.events
+    assert any("sent SIGSTOP to slot 0" in e for e in out.events), out.events
+    for outcome in (ref, out):
+        assert all(r["identical"] and r["steps"] == 80 for r in outcome.reports.values()), outcome.reports
+    assert _params_equal(ref.reports[0], out.reports[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotOneDiesAtOnce(elastic.SyntheticJob):
+    """Every process that trains slot 1 exits at its first batch (a member that cannot start)."""
+
+    def batch(self, step: int, slot: int, world_size: int):
+        if slot == 1:
+            os._exit(7)
+        return super().batch(step, slot, world_size)
+
+
+@pytest.mark.timeout(300)
+def test_a_slot_whose_processes_die_as_they_start_fails_the_run_after_three():
+    """A replacement that dies before its first committed step, like the member it replaced, is
+    not replaced without end: the third process in a row fails the run, naming the slot."""
+    cfg = elastic.Config(job=_SlotOneDiesAtOnce(steps=50), world_size=2, heartbeat=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(collectives.LaunchError, match=r"3 processes of slot 1 in a row died before committing a step .*exit 7"):
+        elastic.run(cfg, join_timeout=250)
+    assert time.monotonic() - t0 < 200  # not the join timeout
+
+
 def _params_equal(a: dict, b: dict) -> bool:
     """Parameters and optimizer state of two reports of :func:`ddp.elastic.run` bitwise equal."""
     return _same({"model": a["state"], "optimizer": a["optimizer"]}, {"model": b["state"], "optimizer": b["optimizer"]})
@@ -153,10 +196,11 @@ def test_zero_heals_killed_members_shards_from_their_replicas(tmp_path, monkeypa
     # launcher polls every 50 ms; with 12 steps slot 2 had finished when the signal came)
     cfg = elastic.Config(job=elastic.SyntheticJob(steps=60), world_size=3, zero=1, heartbeat=5.0, report_progress=True)
     ref = elastic.run(cfg, join_timeout=300)
-    flag = tmp_path / "died-healing"
-    monkeypatch.setenv("RINGDDP_KILL_AT", f"heal:1:0:{flag}")  # the members inherit it
-    out = elastic.run(dataclasses.replace(cfg, zero=2, crash_in_update=(3, 1)), [(8, 2, signal.SIGKILL)], join_timeout=300)
-    assert out.recoveries >= 3 and flag.exists(), out.events
+    flag, crashed = tmp_path / "died-healing", tmp_path / "died-updating"
+    # the members inherit it; a member's fault-point rank is its slot
+    monkeypatch.setenv("RINGDDP_KILL_AT", f"step:4:1:{crashed},heal:1:1:{flag}")
+    out = elastic.run(dataclasses.replace(cfg, zero=2), [(8, 2, signal.SIGKILL)], join_timeout=300)
+    assert out.recoveries >= 3 and flag.exists() and crashed.exists(), out.events
     assert sum(r["undone"] for r in out.reports.values()) >= 1, out.reports
     for outcome in (ref, out):
         assert all(r["identical"] and r["steps"] == 60 for r in outcome.reports.values()), outcome.reports
