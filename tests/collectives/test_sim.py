@@ -187,7 +187,7 @@ def test_links_share_their_bandwidth_max_min_fairly() -> None:
 def test_user_point_to_point_runs_on_the_virtual_clock() -> None:
     """send/recv/isend/irecv between virtual ranks: the data (non-contiguous too), the time of a
     message (header and payload share the path: α + (S + 24)β), a mismatch raised with the pair
-    still in step, and no any-source receive."""
+    still in step."""
     numel = 1 << 16
 
     def body(rank: int, n: int) -> float:
@@ -206,14 +206,104 @@ def test_user_point_to_point_runs_on_the_virtual_clock() -> None:
             after = torch.empty(5)
             dist.recv(after, src=0)
             assert torch.equal(after, torch.full((5,), 2.0))
-            with pytest.raises(ValueError, match="any-source"):
-                dist.recv(after)
         dist.barrier()  # collectives after user messages: their own channel
         return spent
 
     link = Network.flat(3).inter
     times = dist.launch(body, 3, backend="sim")
     assert times[1] == pytest.approx(link.alpha + (numel * 8 + 24) * link.beta, rel=1e-9)
+
+
+def test_any_source_receives_take_the_earliest_arrival_ties_to_the_lowest_rank() -> None:
+    """recv without src on virtual ranks (2 hosts of 3): the message whose header arrives first in
+    virtual time wins, so one posted later inside the host overtakes one from the other host;
+    equal arrivals go in rank order; a message of another tag is passed over; if none can come,
+    the wait raises naming "any rank"."""
+
+    def body(rank: int, n: int) -> list[int]:
+        big = 1 << 16
+        if rank == 0:
+            got, small = torch.empty(big), torch.empty(1)
+            order = [dist.recv(small) for _ in range(2)]  # ranks 1 and 2 (2 µs late, 2 µs away) tie
+            order.append(dist.recv(got))  # rank 3's, posted first but 5 µs away
+            assert torch.equal(got, torch.full((big,), 3.0))
+            work = dist.irecv(small, tag=5)
+            work.wait()
+            order.append(work.source_rank())  # rank 5's tag-5 message, though rank 4's untagged one came first
+            dist.recv(small, src=4)
+            return order
+        if rank == 3:
+            dist.send(torch.full((big,), 3.0), 0)
+        else:
+            sim.compute(2e-6 if rank < 3 else 1e-4 * (rank - 3))
+            dist.send(torch.full((1,), float(rank)), 0, tag=5 if rank == 5 else 0)
+        return []
+
+    assert sim.launch(body, 6, network=Network(2, 3))[0] == [1, 2, 3, 5]
+
+    def lonely(rank: int, n: int) -> None:
+        if rank == 0:
+            dist.recv(torch.empty(1))
+
+    with pytest.raises(dist.CollectiveError, match="virtual rank 0 waits .* for a message from any rank"):
+        dist.launch(lonely, 2, backend="sim")
+
+
+def test_new_group_on_virtual_ranks() -> None:
+    """dist.new_group on virtual ranks: collectives on disjoint subgroups exact (sizes 0, 1, < m,
+    not divisible by m) and each at its closed-form time while the other runs (no shared link);
+    a group's messages never meet another's (rank 1 takes the subgroup's broadcast before the
+    world's, which rank 0 sent first); non-members get NonMember; only the sim backend."""
+    n = 7
+    link = Network.flat(n).inter
+
+    def body(rank: int, world: int) -> float:
+        evens = dist.new_group(range(0, n, 2))
+        odds = dist.new_group(range(1, n, 2))
+        pair = dist.new_group([0, 1])
+        g = evens if rank % 2 == 0 else odds
+        assert (odds if rank % 2 == 0 else evens) == dist.GroupMember.NON_GROUP_MEMBER
+        mine = list(range(rank % 2, n, 2))
+        m, total = len(mine), float(sum(mine))
+        for size in (0, 1, m - 1, 3 * m + 1):
+            for alg in ("ring", "recursive_doubling", "auto"):
+                t = _input(rank, size)
+                dist.all_reduce(t, group=g, algorithm=alg)
+                assert torch.equal(t, torch.arange(size, dtype=F64) * 3 * m + total), (rank, alg, size)
+            t = _input(rank, size)
+            dist.broadcast(t, mine[-1], group=g)
+            assert torch.equal(t, _input(mine[-1], size))
+            out = torch.empty(m * size, dtype=F64)
+            dist.all_gather_into_tensor(out, _input(rank, size), group=g)
+            assert torch.equal(out, torch.cat([_input(q, size) for q in mine]))
+        numel = 3 * 4 * 1000
+        t = torch.ones(numel)
+        dist.barrier()
+        start = sim.clock()
+        dist.all_reduce(t, group=g, algorithm="ring")
+        spent = sim.clock() - start
+        if rank < 2:  # eager sends: rank 0's world message waits, rank 1 takes the subgroup's first
+            x, y = torch.full((3,), 10.0 + rank), torch.full((3,), 20.0 + rank)
+            if rank == 0:
+                dist.broadcast(x, 0, algorithm="binomial")
+                dist.broadcast(y, 0, group=pair, algorithm="binomial")
+            else:
+                dist.broadcast(y, 0, group=pair, algorithm="binomial")
+                assert torch.equal(y, torch.full((3,), 20.0))
+        else:
+            dist.broadcast(torch.empty(3), 0, algorithm="binomial")
+        if rank == 1:
+            dist.broadcast(x, 0, algorithm="binomial")
+            assert torch.equal(x, torch.full((3,), 10.0))
+        with pytest.raises(ValueError, match="only the sim backend"):
+            dist.new_group([0, 1], backend="p2p")
+        return spent
+
+    times = dist.launch(body, n, backend="sim")
+    for rank, spent in enumerate(times):
+        m = 4 if rank % 2 == 0 else 3
+        want = 2 * (m - 1) * (link.alpha + 4 * 3 * 4 * 1000 / m * link.beta)
+        assert spent == pytest.approx(want, rel=1e-9), rank
 
 
 @pytest.mark.parametrize("n", [2, 7, 16])
