@@ -463,6 +463,10 @@ def test_study_command_prints_table_crossovers_plot_and_trace(tmp_path, capsys) 
     assert png.read_bytes()[:4] == b"\x89PNG"
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
+    main(["bench", "--world-size", "8", "--mb", "1", "--exact-numel", "9"])  # the simulator's own cost
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["timing only", "exact"]
+    assert all("112 messages" in line and "s CPU, peak RSS" in line for line in lines), lines
 
 
 def test_a_straggler_delays_the_ring_by_its_lateness() -> None:
