@@ -88,7 +88,8 @@ class _VirtualProcessGroup:
             return NonMember(members)
         pg = _VirtualProcessGroup(members.index(world.rank()), 2 * self._made)
         store = dist.PrefixStore(f"ringddp/sim-group{self._made}/", world.store)
-        group = Group(pg, members, "sim", seconds, f"group{members}", store=store, hosts=[world.hosts[r] for r in members])
+        hosts = [world.hosts[r] for r in members]
+        group = Group(pg, members, "sim", seconds, f"group{members}", store=store, hosts=hosts)
         self.subgroups.append(group)
         return group
 

@@ -259,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("--world-size", type=int, default=1024)
     b.add_argument("--mb", type=float, default=64.0, help="MiB all-reduced (default 64)")
     b.add_argument("--exact-numel", type=int, default=0, help="also run exact with this many floats per rank")
-    b.add_argument("--exact-only", action="store_true", help="skip the timing-only run (the exact run's own peak memory)")
+    b.add_argument("--exact-only", action="store_true",
+                   help="skip the timing-only run (the exact run's own peak memory)")
     b.set_defaults(fn=bench)
     v = sub.add_parser("validate", help="simulated vs measured times of a collectives.bench --hosts --model run")
     v.add_argument("bench", help="the JSON of `collectives.bench --hosts H --model --json FILE`")

@@ -770,8 +770,9 @@ class SimTransport(Transport):
         self._user: SimTransport | None = None
 
     def user_channel(self) -> "SimTransport":
-        """The same ranks on the next channel (the world's: :data:`USER_CHANNEL`): the wire of user point-to-point
-        (``collectives.p2p``), whose messages never meet the collectives' and share the links with them."""
+        """The same ranks on the next channel (the world's: :data:`USER_CHANNEL`): the wire of user
+        point-to-point (``collectives.p2p``), whose messages never meet the collectives' and share
+        the links with them."""
         if self._user is None:
             self._user = SimTransport(self.sim, self.rank, self.members, self.timeout, self.byte_scale, self.channel + 1)
         return self._user
