@@ -216,6 +216,9 @@ def validate(args: argparse.Namespace) -> None:
         intra = links.get("local", DEFAULT_INTRA)
     reduce_beta = links["reduce"].beta if "reduce" in links and not args.free_reductions else 0.0
     print(f"# inter {links.get('net', DEFAULT_INTER)}; intra {intra}; reductions {reduce_beta * 1e9:.3f} ns/B")
+    loads = [row["load_average"] for row in rows if "load_average" in row]
+    if loads:  # the measured times drift with the machine's load (docs/DESIGN.md §11)
+        print(f"# load average (1 min) at the measured rows: {min(loads):.1f}-{max(loads):.1f}")
     print(f"{'op':<12}{'n':>3}{'hosts':>6}{'size':>8}  {'algorithm':<19}{'measured us':>13}{'simulated us':>14}{'sim/meas':>10}")
     for row in rows:
         n = row["world_size"]

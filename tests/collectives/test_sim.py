@@ -493,10 +493,11 @@ def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, 
     path = tmp_path / "bench.json"
     row = {"op": "all_reduce", "world_size": 4, "bytes": 1 << 20, "algorithm": "ring", "ours_us": 1000.0,
            "net_alpha": 1e-4, "net_beta": 8e-9, "local_alpha": 1e-5, "local_beta": 1e-10}
-    path.write_text(json.dumps([row]))
+    path.write_text(json.dumps([row, dict(row, load_average=3.5), dict(row, load_average=7.25)]))
     main(["validate", str(path), "--hosts", "4"])
     simulated = 6 * (1e-4 + (1 << 20) / 4 * 8e-9) * 1e6  # 4 hosts of one rank: a ring over the net link
-    assert f"{simulated:.0f}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{simulated:.0f}" in out and "load average (1 min) at the measured rows: 3.5-7.2" in out
     # the run's own tuning: a broadcast of 16 MiB under chain_bytes 64 MiB is a binomial tree, not a chain
     tree = dict(row, op="broadcast", bytes=16 << 20, algorithm="hierarchical", tuning=dataclasses.asdict(Tuning()),
                 shm_alpha=2e-5, shm_beta=3e-10, reduce_alpha=1e-6, reduce_beta=1e-10)
