@@ -631,8 +631,11 @@ def is_initialized() -> bool:
 
 
 def group_count() -> int:
-    """How many groups this rank is in: the default group (if any) plus its subgroups."""
-    return (_default() is not None) + len(_subgroups)
+    """How many groups this rank is in: the default group (if any) plus its subgroups (a
+    virtual rank's, :mod:`collectives.sim`, are kept by its world's process group)."""
+    world = _default()
+    virtual = getattr(world.process_group, "subgroups", None) if world is not None else None
+    return (world is not None) + len(_subgroups if virtual is None else virtual)
 
 
 def get_default_group() -> Group:

@@ -297,6 +297,7 @@ def test_new_group_on_virtual_ranks() -> None:
             assert torch.equal(x, torch.full((3,), 10.0))
         with pytest.raises(ValueError, match="only the sim backend"):
             dist.new_group([0, 1], backend="p2p")
+        assert dist.get_pg_count() == (3 if rank < 2 else 2)  # the world and this rank's subgroups
         return spent
 
     times = dist.launch(body, n, backend="sim")
