@@ -51,16 +51,19 @@ collectives, their own matching), where a receive posts its header and payload r
 and checks the header when waited for (so every message is a header and a payload, even an
 empty one, and the pair stays in step after a mismatch). They take virtual time like any
 message (header and payload share the path: ``α + (S + 24)β`` alone). An any-source receive
-chooses its sender when waited for: among the senders whose next message has its tag, the one
-whose header arrives first in virtual time, ties to the lowest rank (deterministic; a receive
-from a given sender posted before that wait takes that sender's next message first), then
-receives from it as above.
+chooses its sender when waited for (any-source receives posted before it choose first, in
+posting order): among the senders whose next message has its tag, the one whose header arrives
+first in virtual time, ties to the lowest rank (deterministic; a receive from a given sender
+posted before that choice takes that sender's next message first), then receives from it as
+above.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -215,27 +218,45 @@ def _post_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
     work._complete = lambda: g.mailbox.complete(rec)
 
 
+#: virtual ranks: per user channel, the any-source receives posted and not yet given a sender,
+#: in posting order (each entry chooses and posts; :func:`_post_simulated_recv`)
+_unchosen: weakref.WeakKeyDictionary[SimTransport, collections.deque[Callable[[], None]]] = weakref.WeakKeyDictionary()
+
+
 def _post_simulated_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
     """Virtual ranks: post the header and payload receives of ``rec`` at once; the wait checks the
-    header (module docstring) and copies the payload's bytes into the caller's tensor. An
-    any-source receive posts them when waited for, from the sender whose next message of its tag
-    arrives first (``SimTransport.first_arrival``)."""
+    header (module docstring) and copies the payload's bytes into the caller's tensor.
+
+    An any-source receive chooses its sender when it is waited for, or when an any-source
+    receive posted after it is (they choose in posting order, as the mailbox serves them): the
+    sender whose next message of its tag arrives first (``SimTransport.first_arrival``)."""
     transport, op = rec.transport, rec.op
     assert isinstance(transport, SimTransport)
+    posted: list[Any] = []  # head and body requests and buffers, or the error of the choice
 
-    def post() -> tuple[Request, Request, torch.Tensor, torch.Tensor]:
+    def post() -> None:
         head, raw = torch.empty(3, dtype=torch.int64), torch.empty(rec.tensor.nbytes, dtype=torch.uint8)
-        with transport.operation(op):
-            if rec.peer is None:
-                rec.peer = transport.first_arrival(lambda header: int(header[0]) == rec.tag)
-                rec.src = g.ranks[rec.peer]
-            head_req, body_req = transport.post(recvs=[(head, rec.peer), (raw, rec.peer)])
-        return head_req, body_req, head, raw
+        try:
+            with transport.operation(op):
+                if rec.peer is None:
+                    rec.peer = transport.first_arrival(lambda header: int(header[0]) == rec.tag)
+                    rec.src = g.ranks[rec.peer]
+                posted.extend([*transport.post(recvs=[(head, rec.peer), (raw, rec.peer)]), head, raw])
+        except CollectiveError as exc:  # no sender can come: this receive's wait raises it
+            posted.append(exc)
 
-    posted = None if rec.peer is None else post()
+    if rec.peer is None:
+        _unchosen.setdefault(transport, collections.deque()).append(post)
+    else:
+        post()
 
     def complete() -> None:
-        head_req, body_req, head, raw = posted or post()
+        queue = _unchosen.get(transport)
+        while not posted and queue:
+            queue.popleft()()
+        if isinstance(posted[0], CollectiveError):
+            raise posted[0]
+        head_req, body_req, head, raw = posted
         assert rec.peer is not None and rec.src is not None
         with transport.operation(op):
             head_req.wait()

@@ -26,7 +26,7 @@ returns a completed handle, so such code runs unchanged, but its virtual time sh
 of communication with what follows. User point-to-point (``send``, ``recv``, ``isend``,
 ``irecv``, ``batch_isend_irecv``) travels on the same links, on a channel of its own
 (``collectives/p2p.py``); a receive without a source takes the message whose header arrives
-first in virtual time, ties to the lowest rank. ``dist.new_group(ranks)`` makes a group of
+first in virtual time, ties to the lowest rank (chosen when waited for, in posting order). ``dist.new_group(ranks)`` makes a group of
 virtual ranks whose collectives and user messages match apart from every other group's (as
 separate process groups do) and share the same links. Model compute with :func:`compute`.
 

@@ -217,8 +217,8 @@ def test_user_point_to_point_runs_on_the_virtual_clock() -> None:
 def test_any_source_receives_take_the_earliest_arrival_ties_to_the_lowest_rank() -> None:
     """recv without src on virtual ranks (2 hosts of 3): the message whose header arrives first in
     virtual time wins, so one posted later inside the host overtakes one from the other host;
-    equal arrivals go in rank order; a message of another tag is passed over; if none can come,
-    the wait raises naming "any rank"."""
+    equal arrivals go in rank order; a message of another tag is passed over; two waited for in
+    reverse order choose in posting order; if none can come, the wait raises naming "any rank"."""
 
     def body(rank: int, n: int) -> list[int]:
         big = 1 << 16
@@ -231,15 +231,23 @@ def test_any_source_receives_take_the_earliest_arrival_ties_to_the_lowest_rank()
             work.wait()
             order.append(work.source_rank())  # rank 5's tag-5 message, though rank 4's untagged one came first
             dist.recv(small, src=4)
-            return order
+            first, second = torch.empty(1), torch.empty(1)
+            late = [dist.irecv(first), dist.irecv(second)]
+            late[1].wait()  # the receive posted first chooses first: rank 1's message, then rank 2's
+            late[0].wait()
+            assert (first.item(), second.item()) == (11.0, 12.0)
+            return order + [w.source_rank() for w in late]
         if rank == 3:
             dist.send(torch.full((big,), 3.0), 0)
         else:
             sim.compute(2e-6 if rank < 3 else 1e-4 * (rank - 3))
             dist.send(torch.full((1,), float(rank)), 0, tag=5 if rank == 5 else 0)
+        if rank in (1, 2):
+            sim.compute(1e-3 * rank)
+            dist.send(torch.full((1,), 10.0 + rank), 0)
         return []
 
-    assert sim.launch(body, 6, network=Network(2, 3))[0] == [1, 2, 3, 5]
+    assert sim.launch(body, 6, network=Network(2, 3))[0] == [1, 2, 3, 5, 1, 2]
 
     def lonely(rank: int, n: int) -> None:
         if rank == 0:
