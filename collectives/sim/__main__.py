@@ -6,7 +6,7 @@ Four commands (``study`` when none is given)::
         --sizes 4K,256K,16M --plot sim.png --trace ring.json
     python -m collectives.sim ddp --hosts 16 --ranks-per-host 8 --model-mb 400 --bucket-mb 25 --backward-ms 120
     python -m collectives.sim bench --world-size 1024 --mb 64          # the ring's simulation speed
-    python -m collectives.sim validate bench.json --hosts 2            # against a measured run
+    python -m collectives.sim validate run1.json run2.json --hosts 2   # against measured runs
 
 ``--world-sizes`` scales the topology: each n keeps ``--ranks-per-host`` and takes n / that many
 hosts. ``--links FILE`` starts from this machine's fitted links (``collectives.bench --model
@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import resource
+import statistics
 import sys
 import time
 from typing import Sequence
@@ -199,27 +200,47 @@ def intra_from_shm(shm: Link) -> Link:
 
 
 def validate(args: argparse.Namespace) -> None:
-    """Simulate every row of a ``collectives.bench --hosts H --model --json`` run with the links it
-    fitted, on ``H`` hosts, and print measured vs simulated time.
+    """Simulate every row of ``collectives.bench --hosts H --model --json`` runs with the links
+    each fitted, on ``H`` hosts, and print measured vs simulated time; given several runs, also
+    the median and range of simulated / measured per row over them (measured times on shared
+    cores spread with the load: take several runs).
 
     The simulation runs what the measured run ran: the run's :class:`Tuning` (so the engine
     picks the same algorithms and segments), between hosts its ``net`` link, inside a host
     :func:`intra_from_shm` of its ``shm`` link where it has one (else ``local``; ``--intra
     local`` forces it), and its ``reduce`` link's β for every reduction
     (``Simulation(reduce_beta=...)``; ``--free-reductions``: none)."""
-    with open(args.bench) as f:
+    ratios: dict[tuple[str, int, int], list[float]] = {}
+    loads: list[float] = []
+    for path in args.bench:
+        for key, ratio in _validate_run(path, args):
+            ratios.setdefault(key, []).append(ratio)
+        with open(path) as f:
+            loads += [row["load_average"] for row in json.load(f) if "load_average" in row]
+    if len(args.bench) > 1:
+        print(f"# {len(args.bench)} runs: simulated / measured, median (min-max)"
+              + (f"; load average (1 min) at their rows {min(loads):.1f}-{max(loads):.1f}" if loads else ""))
+        for (op, n, nbytes), values in ratios.items():
+            print(f"{op:<12}{n:>3}{args.hosts:>6}{human_size(nbytes):>8}  {statistics.median(values):.2f} "
+                  f"({min(values):.2f}-{max(values):.2f} of {len(values)})")
+
+
+def _validate_run(path: str, args: argparse.Namespace) -> list[tuple[tuple[str, int, int], float]]:
+    """One run of :func:`validate`: its rows printed; ``((op, n, bytes), simulated / measured)`` per row."""
+    with open(path) as f:
         rows = json.load(f)
-    links = links_from_bench(args.bench)
+    links = links_from_bench(path)
     if args.intra == "shm" and "shm" in links:
         intra = intra_from_shm(links["shm"])
     else:
         intra = links.get("local", DEFAULT_INTRA)
     reduce_beta = links["reduce"].beta if "reduce" in links and not args.free_reductions else 0.0
-    print(f"# inter {links.get('net', DEFAULT_INTER)}; intra {intra}; reductions {reduce_beta * 1e9:.3f} ns/B")
+    print(f"# {path}: inter {links.get('net', DEFAULT_INTER)}; intra {intra}; reductions {reduce_beta * 1e9:.3f} ns/B")
     loads = [row["load_average"] for row in rows if "load_average" in row]
     if loads:  # the measured times drift with the machine's load (docs/DESIGN.md §11)
         print(f"# load average (1 min) at the measured rows: {min(loads):.1f}-{max(loads):.1f}")
     print(f"{'op':<12}{'n':>3}{'hosts':>6}{'size':>8}  {'algorithm':<19}{'measured us':>13}{'simulated us':>14}{'sim/meas':>10}")
+    found = []
     for row in rows:
         n = row["world_size"]
         net = Network(args.hosts, n // args.hosts, intra, links.get("net", DEFAULT_INTER))
@@ -227,10 +248,13 @@ def validate(args: argparse.Namespace) -> None:
         tuning = Tuning(**row["tuning"]) if "tuning" in row else Tuning()  # the bench's group default
         result, _ = time_collective(net, row["op"], row["bytes"], algorithm, exact=True, tuning=tuning,
                                     reduce_beta=reduce_beta)
+        ratio = result.seconds * 1e6 / row["ours_us"]
+        found.append(((row["op"], n, row["bytes"]), ratio))
         print(
             f"{row['op']:<12}{n:>3}{args.hosts:>6}{human_size(row['bytes']):>8}  {algorithm:<19}{row['ours_us']:>13.0f}"
-            f"{result.seconds * 1e6:>14.0f}{result.seconds * 1e6 / row['ours_us']:>10.2f}"
+            f"{result.seconds * 1e6:>14.0f}{ratio:>10.2f}"
         )
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -266,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="skip the timing-only run (the exact run's own peak memory)")
     b.set_defaults(fn=bench)
     v = sub.add_parser("validate", help="simulated vs measured times of a collectives.bench --hosts --model run")
-    v.add_argument("bench", help="the JSON of `collectives.bench --hosts H --model --json FILE`")
+    v.add_argument("bench", nargs="+",
+                   help="the JSON of `collectives.bench --hosts H --model --json FILE` (several: their medians too)")
     v.add_argument("--hosts", type=int, required=True, help="the --hosts of that run")
     v.add_argument("--intra", choices=("shm", "local"), default="shm",
                    help="intra-host link: from the shared-memory fit (default, what the run's hierarchical phases use) "

@@ -507,6 +507,9 @@ def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, 
     simulated = 6 * (1e-4 + (1 << 20) / 4 * 8e-9) * 1e6  # 4 hosts of one rank: a ring over the net link
     out = capsys.readouterr().out
     assert f"{simulated:.0f}" in out and "load average (1 min) at the measured rows: 3.5-7.2" in out
+    main(["validate", str(path), str(path), "--hosts", "4"])  # several runs: the median and range per row
+    ratio = simulated / 1000.0
+    assert f"all_reduce    4     4      1M  {ratio:.2f} ({ratio:.2f}-{ratio:.2f} of 6)" in capsys.readouterr().out
     # the run's own tuning: a broadcast of 16 MiB under chain_bytes 64 MiB is a binomial tree, not a chain
     tree = dict(row, op="broadcast", bytes=16 << 20, algorithm="hierarchical", tuning=dataclasses.asdict(Tuning()),
                 shm_alpha=2e-5, shm_beta=3e-10, reduce_alpha=1e-6, reduce_beta=1e-10)
