@@ -410,7 +410,7 @@ def bench_rank(rank: int, n: int, ops: list[str], dtypes: list[str], sizes: list
                     row = {"op": op, "world_size": n, "dtype": dtype_name, "bytes": size, "count": case.count,
                            "wrong": int(med[-1]), "backend": backend, "timing": timing, "calls": calls,
                            "warmup": _warmup_calls(calls),
-                           "barrier_skew_us": skew * 1e6}
+                           "barrier_skew_us": skew * 1e6, "load_average": os.getloadavg()[0]}
                     for k, t, c in zip(variants, med[:-1].tolist(), cpu_med.tolist()):
                         row[f"{k}_us"] = t * 1e6
                         row[f"{k}_cpu_ms"] = c * 1e3
@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="all_reduce: also time ours through collectives.all_reduce_init (planned once per buffer, "
                         "started at every call), a column like a peer's")
     p.add_argument("--peer-job", nargs=2, metavar=("PORT", "ROWS"), help=argparse.SUPPRESS)  # a rank under mpiexec
-    p.add_argument("--json", help="write the rows to this JSON file")
+    p.add_argument("--json", help="write the rows to this JSON file (each with the load average when it was measured)")
     p.add_argument("--plot", help="write busbw-vs-size curves to this PNG")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -641,8 +641,11 @@ def is_initialized() -> bool:
 
 
 def group_count() -> int:
-    """How many groups this rank is in: the default group (if any) plus its subgroups."""
-    return (_default() is not None) + len(_subgroups)
+    """How many groups this rank is in: the default group (if any) plus its subgroups (a
+    virtual rank's, :mod:`collectives.sim`, are kept by its world's process group)."""
+    world = _default()
+    virtual = getattr(world.process_group, "subgroups", None) if world is not None else None
+    return (world is not None) + len(_subgroups if virtual is None else virtual)
 
 
 def get_default_group() -> Group:
@@ -742,6 +745,10 @@ def new_group(
 
     On ranks that are not members it returns a :class:`NonMember` (equal to torch's
     ``GroupMember.NON_GROUP_MEMBER``): collectives given it do nothing there, as in torch.
+
+    A world whose process group makes its own subgroups (a ``new_subgroup(world, members,
+    backend, seconds)`` method: the virtual ranks of :mod:`collectives.sim`, which have no torch
+    process group) hands the call to it.
     """
     world = get_default_group()
     members = sorted(set(range(world.size()) if ranks is None else ranks))
@@ -750,6 +757,9 @@ def new_group(
         raise ValueError(f"new_group: ranks {list(ranks or [])} must be a non-empty subset of 0..{world.size() - 1}")
     name = resolve_backend(backend) if backend else world.backend
     seconds = timeout_seconds(timeout, world.timeout)
+    virtual = getattr(world.process_group, "new_subgroup", None)
+    if virtual is not None:
+        return virtual(world, members, name, seconds)
     pg = dist.new_group(members, timeout=datetime.timedelta(seconds=seconds), backend="gloo")
     prefix = f"ringddp/group{next(_created)}/"  # every world rank calls new_group: same count everywhere
     if world.rank() not in members:

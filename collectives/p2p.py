@@ -50,14 +50,20 @@ travel on the simulation's user channel (``SimTransport.user_channel``: the same
 collectives, their own matching), where a receive posts its header and payload receives at once
 and checks the header when waited for (so every message is a header and a payload, even an
 empty one, and the pair stays in step after a mismatch). They take virtual time like any
-message (header and payload share the path: ``α + (S + 24)β`` alone). Any-source receives
-are not simulated (``ValueError``).
+message (header and payload share the path: ``α + (S + 24)β`` alone). An any-source receive
+chooses its sender when waited for (any-source receives posted before it choose first, in
+posting order): among the senders whose next message has its tag, the one whose header arrives
+first in virtual time, ties to the lowest rank (deterministic; a receive from a given sender
+posted before that choice takes that sender's next message first), then receives from it as
+above.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -206,25 +212,55 @@ def _post_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
     """Post ``rec``: record it in the mailbox, whose streams bring its message; on virtual ranks
     post its messages' receives (:func:`_post_simulated_recv`)."""
     if isinstance(rec.transport, SimTransport):
-        _post_simulated_recv(work, rec)
+        _post_simulated_recv(work, g, rec)
         return
     g.mailbox.post(rec)
     work._complete = lambda: g.mailbox.complete(rec)
 
 
-def _post_simulated_recv(work: P2PWork, rec: Incoming) -> None:
+#: virtual ranks: per user channel, the any-source receives posted and not yet given a sender,
+#: in posting order (each entry chooses and posts; :func:`_post_simulated_recv`)
+_unchosen: weakref.WeakKeyDictionary[SimTransport, collections.deque[Callable[[], None]]] = weakref.WeakKeyDictionary()
+
+
+def _post_simulated_recv(work: P2PWork, g: Group, rec: Incoming) -> None:
     """Virtual ranks: post the header and payload receives of ``rec`` at once; the wait checks the
-    header (module docstring) and copies the payload's bytes into the caller's tensor."""
-    assert rec.peer is not None and rec.src is not None
-    transport, peer, op = rec.transport, rec.peer, rec.op
-    head, raw = torch.empty(3, dtype=torch.int64), torch.empty(rec.tensor.nbytes, dtype=torch.uint8)
-    with transport.operation(op):
-        head_req, body_req = transport.post(recvs=[(head, peer), (raw, peer)])
+    header (module docstring) and copies the payload's bytes into the caller's tensor.
+
+    An any-source receive chooses its sender when it is waited for, or when an any-source
+    receive posted after it is (they choose in posting order, as the mailbox serves them): the
+    sender whose next message of its tag arrives first (``SimTransport.first_arrival``)."""
+    transport, op = rec.transport, rec.op
+    assert isinstance(transport, SimTransport)
+    posted: list[Any] = []  # head and body requests and buffers, or the error of the choice
+
+    def post() -> None:
+        head, raw = torch.empty(3, dtype=torch.int64), torch.empty(rec.tensor.nbytes, dtype=torch.uint8)
+        try:
+            with transport.operation(op):
+                if rec.peer is None:
+                    rec.peer = transport.first_arrival(lambda header: int(header[0]) == rec.tag)
+                    rec.src = g.ranks[rec.peer]
+                posted.extend([*transport.post(recvs=[(head, rec.peer), (raw, rec.peer)]), head, raw])
+        except CollectiveError as exc:  # no sender can come: this receive's wait raises it
+            posted.append(exc)
+
+    if rec.peer is None:
+        _unchosen.setdefault(transport, collections.deque()).append(post)
+    else:
+        post()
 
     def complete() -> None:
+        queue = _unchosen.get(transport)
+        while not posted and queue:
+            queue.popleft()()
+        if isinstance(posted[0], CollectiveError):
+            raise posted[0]
+        head_req, body_req, head, raw = posted
+        assert rec.peer is not None and rec.src is not None
         with transport.operation(op):
             head_req.wait()
-            rec.expect(peer, rec.src, head.tolist())  # a mismatch is kept on rec
+            rec.expect(rec.peer, rec.src, head.tolist())  # a mismatch is kept on rec
             try:
                 body_req.wait()
             except CollectiveError:  # a payload of another size: the header says why
@@ -324,8 +360,6 @@ def _recv(tensor, src, group, tag, group_src, name: str, async_op: bool) -> tupl
             f"{name}: no any-source receive of {tensor.device} tensors on the {g.backend} backend (its wire "
             "is shared with the collectives, where a receive left posted would take their messages); pass src"
         )
-    if peer is None and isinstance(transport, SimTransport):
-        raise ValueError(f"{name}: the sim backend does not simulate any-source receives; pass src")
     g.check_usable(name)
     rec = Incoming(transport, tensor, peer, source, tag, name)
     work = P2PWork(name, g, rec)

@@ -25,8 +25,10 @@ runs the collective before the call returns (a virtual rank has no communication
 returns a completed handle, so such code runs unchanged, but its virtual time shows no overlap
 of communication with what follows. User point-to-point (``send``, ``recv``, ``isend``,
 ``irecv``, ``batch_isend_irecv``) travels on the same links, on a channel of its own
-(``collectives/p2p.py``; no any-source receive). Not simulated: ``new_group``; model compute
-with :func:`compute`.
+(``collectives/p2p.py``); a receive without a source takes the message whose header arrives
+first in virtual time, ties to the lowest rank (chosen when waited for, in posting order). ``dist.new_group(ranks)`` makes a group of
+virtual ranks whose collectives and user messages match apart from every other group's (as
+separate process groups do) and share the same links. Model compute with :func:`compute`.
 
 ``python -m collectives.sim`` sweeps ops, sizes, algorithms and world sizes and prints tables,
 crossovers, a plot and a Chrome trace (:mod:`collectives.sim.study`);
@@ -41,7 +43,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..errors import timeout_seconds
-from ..group import Group, bind_default_group, unbind_default_group
+from ..group import Group, NonMember, bind_default_group, unbind_default_group
 from ..transport.sim import Simulation, current, in_simulation
 from .network import DEFAULT_INTER, DEFAULT_INTRA, Network, links_from_bench
 
@@ -53,18 +55,43 @@ __all__ = [
 
 class _VirtualProcessGroup:
     """What a :class:`~collectives.group.Group` of a virtual rank holds as its torch process
-    group: the rank, and nothing to send on. Asking its size is what building the gloo user
-    channel does first; that raises ``RuntimeError``, which the group's mailbox takes as "no
-    wire" (user point-to-point goes over the simulation's own user channel instead)."""
+    group: the rank, the group's pair of channels (``channel``: its collectives'; the next one:
+    its user messages, :data:`~collectives.transport.sim.USER_CHANNEL`), and nothing to send on.
+    Asking its size is what building the gloo user channel does first; that raises
+    ``RuntimeError``, which the group's mailbox takes as "no wire" (user point-to-point goes over
+    the simulation's own channel instead).
 
-    def __init__(self, rank: int):
+    The world's makes the subgroups of its virtual rank (:meth:`new_subgroup`, which
+    ``new_group`` calls): every rank calls ``new_group`` in the same order, so the ``k``-th
+    subgroup gets channels ``2k`` and ``2k + 1`` on every member.
+    """
+
+    def __init__(self, rank: int, channel: int = 0):
         self._rank = rank
+        self.channel = channel
+        self.subgroups: list[Group] = []
+        self._made = 0  # new_group calls (members or not), for the channels
 
     def rank(self) -> int:
         return self._rank
 
     def size(self) -> int:
         raise RuntimeError("a virtual rank has no gloo wire (the sim backend carries user messages itself)")
+
+    def new_subgroup(self, world: Group, members: list[int], backend: str, seconds: float) -> Group | NonMember:
+        """``new_group(members)`` on this virtual rank: a group on channels of its own, closed with
+        the world (``backend`` must be ``sim``)."""
+        if backend != "sim":
+            raise ValueError(f"new_group: virtual ranks run only the sim backend, got backend={backend!r}")
+        self._made += 1
+        if world.rank() not in members:
+            return NonMember(members)
+        pg = _VirtualProcessGroup(members.index(world.rank()), 2 * self._made)
+        store = dist.PrefixStore(f"ringddp/sim-group{self._made}/", world.store)
+        hosts = [world.hosts[r] for r in members]
+        group = Group(pg, members, "sim", seconds, f"group{members}", store=store, hosts=hosts)
+        self.subgroups.append(group)
+        return group
 
 
 def launch(
@@ -102,11 +129,14 @@ def launch(
     hosts = net.host_keys()
 
     def body(rank: int) -> Any:
-        group = Group(_VirtualProcessGroup(rank), range(world_size), "sim", seconds, "world", store=store, hosts=hosts)
+        pg = _VirtualProcessGroup(rank)
+        group = Group(pg, range(world_size), "sim", seconds, "world", store=store, hosts=hosts)
         token = bind_default_group(group)
         try:
             return fn(rank, world_size, *args)
         finally:
+            for subgroup in pg.subgroups:
+                subgroup.close()
             group.close()
             unbind_default_group(token)
 

@@ -6,7 +6,7 @@ Four commands (``study`` when none is given)::
         --sizes 4K,256K,16M --plot sim.png --trace ring.json
     python -m collectives.sim ddp --hosts 16 --ranks-per-host 8 --model-mb 400 --bucket-mb 25 --backward-ms 120
     python -m collectives.sim bench --world-size 1024 --mb 64          # the ring's simulation speed
-    python -m collectives.sim validate bench.json --hosts 2            # against a measured run
+    python -m collectives.sim validate run1.json run2.json --hosts 2   # against measured runs
 
 ``--world-sizes`` scales the topology: each n keeps ``--ranks-per-host`` and takes n / that many
 hosts. ``--links FILE`` starts from this machine's fitted links (``collectives.bench --model
@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import resource
+import statistics
 import sys
 import time
 from typing import Sequence
@@ -151,28 +152,38 @@ def _ring_rank(rank: int, world_size: int, numel: int) -> float:
     return clock()
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (on a loaded machine the fair measure of
+    the simulator's own cost: wall time adds whatever else ran on the cores)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def bench(args: argparse.Namespace) -> None:
     """A ring all-reduce of ``--mb`` MiB on ``--world-size`` flat ranks: timing-only, then exact
-    on a small buffer through ``collectives.launch``; wall time and peak memory of each."""
+    on a small buffer through ``collectives.launch``; wall time, CPU time (user + system) and the
+    process's peak memory after each (``--exact-only``: the exact run alone, for its own peak)."""
     n, nbytes = args.world_size, int(args.mb * 2**20)
     net = Network.flat(n)
-    start = time.perf_counter()
-    result, sim = time_collective(net, "all_reduce", nbytes, "ring")
-    wall = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(
-        f"timing only: ring all_reduce of {human_size(nbytes)} on {n} ranks: {result.seconds * 1e3:.3f} ms simulated, "
-        f"{sim.messages} messages, {wall:.1f} s wall, peak RSS {rss:.0f} MiB"
-    )
+    if not args.exact_only:
+        start, cpu = time.perf_counter(), _cpu_seconds()
+        result, sim = time_collective(net, "all_reduce", nbytes, "ring")
+        wall, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(
+            f"timing only: ring all_reduce of {human_size(nbytes)} on {n} ranks: {result.seconds * 1e3:.3f} ms "
+            f"simulated, {sim.messages} messages, {wall:.1f} s wall, {cpu:.1f} s CPU, peak RSS {rss:.0f} MiB"
+        )
     if args.exact_numel:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         simulation = Simulation(net)
         launch(_ring_rank, n, args.exact_numel, simulation=simulation)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
             f"exact: ring all_reduce of {args.exact_numel} float32 per rank on {n} ranks through "
-            f"collectives.launch, results checked: {simulation.messages} messages, {wall:.1f} s wall, peak RSS {rss:.0f} MiB"
+            f"collectives.launch, results checked: {simulation.now * 1e3:.3f} ms simulated, {simulation.messages} "
+            f"messages, {wall:.1f} s wall, {cpu:.1f} s CPU, peak RSS {rss:.0f} MiB"
         )
 
 
@@ -189,24 +200,47 @@ def intra_from_shm(shm: Link) -> Link:
 
 
 def validate(args: argparse.Namespace) -> None:
-    """Simulate every row of a ``collectives.bench --hosts H --model --json`` run with the links it
-    fitted, on ``H`` hosts, and print measured vs simulated time.
+    """Simulate every row of ``collectives.bench --hosts H --model --json`` runs with the links
+    each fitted, on ``H`` hosts, and print measured vs simulated time; given several runs, also
+    the median and range of simulated / measured per row over them (measured times on shared
+    cores spread with the load: take several runs).
 
     The simulation runs what the measured run ran: the run's :class:`Tuning` (so the engine
     picks the same algorithms and segments), between hosts its ``net`` link, inside a host
     :func:`intra_from_shm` of its ``shm`` link where it has one (else ``local``; ``--intra
     local`` forces it), and its ``reduce`` link's β for every reduction
     (``Simulation(reduce_beta=...)``; ``--free-reductions``: none)."""
-    with open(args.bench) as f:
+    ratios: dict[tuple[str, int, int], list[float]] = {}
+    loads: list[float] = []
+    for path in args.bench:
+        for key, ratio in _validate_run(path, args):
+            ratios.setdefault(key, []).append(ratio)
+        with open(path) as f:
+            loads += [row["load_average"] for row in json.load(f) if "load_average" in row]
+    if len(args.bench) > 1:
+        print(f"# {len(args.bench)} runs: simulated / measured, median (min-max)"
+              + (f"; load average (1 min) at their rows {min(loads):.1f}-{max(loads):.1f}" if loads else ""))
+        for (op, n, nbytes), values in ratios.items():
+            print(f"{op:<12}{n:>3}{args.hosts:>6}{human_size(nbytes):>8}  {statistics.median(values):.2f} "
+                  f"({min(values):.2f}-{max(values):.2f} of {len(values)})")
+
+
+def _validate_run(path: str, args: argparse.Namespace) -> list[tuple[tuple[str, int, int], float]]:
+    """One run of :func:`validate`: its rows printed; ``((op, n, bytes), simulated / measured)`` per row."""
+    with open(path) as f:
         rows = json.load(f)
-    links = links_from_bench(args.bench)
+    links = links_from_bench(path)
     if args.intra == "shm" and "shm" in links:
         intra = intra_from_shm(links["shm"])
     else:
         intra = links.get("local", DEFAULT_INTRA)
     reduce_beta = links["reduce"].beta if "reduce" in links and not args.free_reductions else 0.0
-    print(f"# inter {links.get('net', DEFAULT_INTER)}; intra {intra}; reductions {reduce_beta * 1e9:.3f} ns/B")
+    print(f"# {path}: inter {links.get('net', DEFAULT_INTER)}; intra {intra}; reductions {reduce_beta * 1e9:.3f} ns/B")
+    loads = [row["load_average"] for row in rows if "load_average" in row]
+    if loads:  # the measured times drift with the machine's load (docs/DESIGN.md §11)
+        print(f"# load average (1 min) at the measured rows: {min(loads):.1f}-{max(loads):.1f}")
     print(f"{'op':<12}{'n':>3}{'hosts':>6}{'size':>8}  {'algorithm':<19}{'measured us':>13}{'simulated us':>14}{'sim/meas':>10}")
+    found = []
     for row in rows:
         n = row["world_size"]
         net = Network(args.hosts, n // args.hosts, intra, links.get("net", DEFAULT_INTER))
@@ -214,10 +248,13 @@ def validate(args: argparse.Namespace) -> None:
         tuning = Tuning(**row["tuning"]) if "tuning" in row else Tuning()  # the bench's group default
         result, _ = time_collective(net, row["op"], row["bytes"], algorithm, exact=True, tuning=tuning,
                                     reduce_beta=reduce_beta)
+        ratio = result.seconds * 1e6 / row["ours_us"]
+        found.append(((row["op"], n, row["bytes"]), ratio))
         print(
             f"{row['op']:<12}{n:>3}{args.hosts:>6}{human_size(row['bytes']):>8}  {algorithm:<19}{row['ours_us']:>13.0f}"
-            f"{result.seconds * 1e6:>14.0f}{result.seconds * 1e6 / row['ours_us']:>10.2f}"
+            f"{result.seconds * 1e6:>14.0f}{ratio:>10.2f}"
         )
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -249,9 +286,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("--world-size", type=int, default=1024)
     b.add_argument("--mb", type=float, default=64.0, help="MiB all-reduced (default 64)")
     b.add_argument("--exact-numel", type=int, default=0, help="also run exact with this many floats per rank")
+    b.add_argument("--exact-only", action="store_true",
+                   help="skip the timing-only run (the exact run's own peak memory)")
     b.set_defaults(fn=bench)
     v = sub.add_parser("validate", help="simulated vs measured times of a collectives.bench --hosts --model run")
-    v.add_argument("bench", help="the JSON of `collectives.bench --hosts H --model --json FILE`")
+    v.add_argument("bench", nargs="+",
+                   help="the JSON of `collectives.bench --hosts H --model --json FILE` (several: their medians too)")
     v.add_argument("--hosts", type=int, required=True, help="the --hosts of that run")
     v.add_argument("--intra", choices=("shm", "local"), default="shm",
                    help="intra-host link: from the shared-memory fit (default, what the run's hierarchical phases use) "

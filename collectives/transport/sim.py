@@ -26,6 +26,15 @@ Messages
     known; a send whose receiver has not posted yet keeps a reference to the sender's tensor and
     copies it aside when the sender's wait returns (the contract keeps it untouched until then).
 
+Any-source receives
+    :meth:`Simulation.wait_any` blocks a rank until the first of the next messages from a set
+    of senders, among those a predicate accepts, has arrived, and names its sender; the caller
+    then receives from that sender as usual. "First" is the earliest arrival in virtual time,
+    ties going to the lowest rank: the rank sleeps until the earliest arrival known so far and
+    is woken again whenever a candidate is posted or its arrival revised, so a message posted
+    later that arrives sooner still wins. A sender's next message is a candidate only while
+    no receive from that sender is posted (that receive takes it).
+
 Links and sharing
     The fabric (:class:`Fabric`; :class:`collectives.sim.network.Network` is the model shipped)
     says for a pair of ranks the latency ``α``, the seconds per byte ``β`` of the path's
@@ -95,10 +104,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: (simulation, global rank) of the virtual rank running in this context (each greenlet has its own).
-#: the channel of user point-to-point messages (:meth:`SimTransport.user_channel`); collectives use 0.
+#: the channel of the world group's user point-to-point messages (:meth:`SimTransport.user_channel`);
+#: its collectives use 0. The ``k``-th subgroup of a world (``new_group`` on virtual ranks) uses
+#: ``2k`` and ``2k + 1``: each group matches its messages apart from the others', as gloo's
+#: separate process groups keep them apart.
 USER_CHANNEL = 1
 
+#: (simulation, global rank) of the virtual rank running in this context (each greenlet has its own).
 _current: contextvars.ContextVar[tuple["Simulation", int] | None] = contextvars.ContextVar("ringddp_sim", default=None)
 
 
@@ -147,6 +159,20 @@ class _Flow:
         self.done = False
         self.stamp = self.fixed = 0  # marks of the last recomputation that visited / rated it
         self.event = math.nan  # the end its event in the network's heap is for (none: nan)
+
+
+class _AnyWait:
+    """A rank's :meth:`Simulation.wait_any` in progress: its senders, in rank order, and the
+    channel's base key (``channel * n * n + dst``: a sender's pair key adds ``src * n``)."""
+
+    __slots__ = ("task", "sources", "accept", "base")
+
+    def __init__(self, task: _Task, sources: Sequence[int], accept: Callable[[torch.Tensor], bool], base: int):
+        self.task, self.accept, self.base = task, accept, base
+        self.sources = sorted(sources)
+
+
+_NOTHING = torch.empty(0)
 
 
 class SimRequest(Request):
@@ -233,6 +259,7 @@ class Simulation:
         # per channel and pair, channel*n*n + src*n + dst: unmatched sends, oldest first
         self._sends: dict[int, collections.deque[SimRequest]] = {}
         self._recvs: dict[int, collections.deque[SimRequest]] = {}
+        self._anys: dict[int, _AnyWait] = {}  # per rank: its any-source wait in progress (wait_any)
         self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...]]] = {}  # per pair src*n+dst
         # (links with β = 0 never limit a flow: left out)
         self._running: _Task | None = None
@@ -302,6 +329,7 @@ class Simulation:
             self._dirty.clear()
             self._sends.clear()
             self._recvs.clear()
+            self._anys.clear()
         if failed:
             first = failed[0].error
             assert first is not None
@@ -338,13 +366,15 @@ class Simulation:
         for task in stuck:
             req = task.waiting_on
             op = req.op if req is not None else "collective"
-            what = f"a message from peer {req.peer}" if req is not None and req.recv else "its peer"
+            anyone = req is not None and req.peer < 0  # wait_any
+            what = "a message from any rank" if anyone else f"a message from peer {req.peer}" if (
+                req is not None and req.recv) else "its peer"
             cause = f" (ranks {done[:8]} failed first)" if done else " (a deadlock: no rank can make progress)"
             err = CollectiveError(
                 f"{op}: virtual rank {task.rank} waits at t={self.now:.6g}s for {what}, which no rank "
                 f"will send{cause}",
                 op=op,
-                peer=req.peer if req is not None else None,
+                peer=req.peer if req is not None and not anyone else None,
             )
             self._running = task
             task.glet.throw(err)
@@ -413,6 +443,8 @@ class Simulation:
             if queue is None:
                 queue = self._sends[key] = collections.deque()
             queue.append(req)
+            if self._anys and dst in self._anys:  # a new candidate for dst's any-source wait
+                self._wake(self._anys[dst].task, self.now)
         return req
 
     def irecv(self, tensor: torch.Tensor, dst: int, src: int, op: str, channel: int = 0) -> SimRequest:
@@ -513,6 +545,8 @@ class Simulation:
             self._wake(send.waiter, arrival)
         if send.match is not None:
             self._arrive(send.match, arrival)
+        elif self._anys and send.peer in self._anys:  # a candidate of an any-source wait: it chooses again
+            self._wake(self._anys[send.peer].task, self.now)
 
     def _settle(self) -> None:
         """Recompute the max-min fair rates of the components of the dirty flows, as of now."""
@@ -610,6 +644,55 @@ class Simulation:
             req.waiter = None
             task.waiting_on = None
 
+    def wait_any(
+        self, dst: int, sources: Sequence[int], accept: Callable[[torch.Tensor], bool], op: str, channel: int = 0
+    ) -> int:
+        """Block the running rank ``dst`` until the first of the next messages from ``sources`` on
+        ``channel`` that ``accept`` takes (given the message's tensor, e.g. a user message's
+        header) has arrived; return its sender. The message stays queued: the caller's receive
+        from that sender takes it.
+
+        "First": the earliest arrival in virtual time, ties to the lowest rank (module
+        docstring). A sender's next message is a candidate only while no receive from that
+        sender is posted. Raises ``CollectiveError`` (naming ``op``) if no candidate can come.
+        """
+        task = self._running
+        if task is None or task.rank != dst:
+            raise RuntimeError(f"{op}: wait_any must be called by the receiving virtual rank")
+        wait = self._anys[dst] = _AnyWait(task, sources, accept, channel * self._pairs + dst)
+        marker = SimRequest(self, True, dst, -1, _NOTHING, op)  # what a deadlock report names
+        try:
+            while True:
+                if self._dirty:
+                    self._settle()
+                best = self._first_arrival(wait)
+                if best is not None and best[0] <= self.now:
+                    return best[1]
+                if best is None:
+                    task.due = -1  # no wake-up: a new candidate or a revised arrival wakes it
+                else:
+                    self._wake(task, best[0])
+                task.waiting_on = marker
+                self._hub.switch()
+        finally:
+            del self._anys[dst]
+            task.waiting_on = None
+            task.due = -1  # a wake-up left by a hook while it chose is void
+
+    def _first_arrival(self, wait: "_AnyWait") -> tuple[float, int] | None:
+        """``(arrival, sender)`` of the earliest known candidate of ``wait``, or None."""
+        n, best = self.world_size, None
+        sends, recvs = self._sends, self._recvs
+        for src in wait.sources:
+            key = wait.base + src * n
+            queue = sends.get(key)
+            if not queue or key in recvs:
+                continue
+            send = queue[0]
+            if send.done_at is not None and (best is None or send.done_at < best[0]) and wait.accept(send.tensor):
+                best = (send.done_at, src)
+        return best
+
     def _until(self, task: _Task, when: float) -> None:
         """Resume ``task`` at ``when``: at once if no other rank, and no flow, has anything to do
         before (or at) then."""
@@ -669,8 +752,8 @@ class SimTransport(Transport):
     ``ranks[i]`` is the simulation rank of group rank ``i`` (default: the same numbering);
     ``byte_scale`` overrides the simulation's for this transport's sends (timing-only runs whose
     buffers stand for different sizes at once, as DDP's buckets do); ``channel``: whose messages
-    these are (0: collectives; messages match per pair and channel, as gloo's tags keep them
-    apart).
+    these are (even: a group's collectives, the world's 0; odd: that group's user point-to-point;
+    messages match per pair and channel, as gloo's tags and process groups keep them apart).
     """
 
     def __init__(
@@ -687,22 +770,26 @@ class SimTransport(Transport):
         self._user: SimTransport | None = None
 
     def user_channel(self) -> "SimTransport":
-        """The same ranks on :data:`USER_CHANNEL`: the wire of user point-to-point
-        (``collectives.p2p``), whose messages never meet the collectives' and share the links with them."""
+        """The same ranks on the next channel (the world's: :data:`USER_CHANNEL`): the wire of user
+        point-to-point (``collectives.p2p``), whose messages never meet the collectives' and share
+        the links with them."""
         if self._user is None:
-            self._user = SimTransport(self.sim, self.rank, self.members, self.timeout, self.byte_scale, USER_CHANNEL)
+            self._user = SimTransport(self.sim, self.rank, self.members, self.timeout, self.byte_scale, self.channel + 1)
         return self._user
 
     @classmethod
     def for_group(cls, group: GroupInfo) -> "SimTransport":
-        """The transport of the calling virtual rank in ``group`` (built inside a simulation only)."""
+        """The transport of the calling virtual rank in ``group`` (built inside a simulation only).
+
+        Its channel is its process group's ``channel`` attribute (``collectives.sim`` gives each
+        group of a world its own: :data:`USER_CHANNEL`), 0 if it has none."""
         sim, me = current()
         ranks = getattr(group, "ranks", None)
-        return cls(sim, group.rank(), ranks, group.timeout)
+        return cls(sim, group.rank(), ranks, group.timeout, channel=getattr(group.process_group, "channel", 0))
 
     def operation(self, name: str) -> ContextManager[None]:
         sim = self.sim
-        delay = 0.0 if self.channel else sim.delays.get(self.me, 0.0)
+        delay = 0.0 if self.channel % 2 else sim.delays.get(self.me, 0.0)
         if delay:  # a straggler: late into every collective (not into user point-to-point)
             sim.sleep_until(sim.now + delay)
         if sim.events is None and not sim.reduce_beta:
@@ -725,6 +812,14 @@ class SimTransport(Transport):
             yield
         finally:
             combine_cost.reset(token)
+
+    def first_arrival(self, accept: Callable[[torch.Tensor], bool]) -> int:
+        """The group rank of the sender whose next message on this channel, among those ``accept``
+        takes, arrives first (:meth:`Simulation.wait_any`: earliest arrival, ties to the lowest
+        rank); blocks the calling rank until it has arrived."""
+        members = self.members
+        src = self.sim.wait_any(self.me, [m for m in members if m != self.me], accept, self.op, self.channel)
+        return members.index(src)
 
     def isend(self, tensor: torch.Tensor, peer: Peer) -> Request:
         return self.sim.isend(tensor, self.me, self.members[peer], self.op, self.byte_scale, self.channel)

@@ -187,7 +187,7 @@ def test_links_share_their_bandwidth_max_min_fairly() -> None:
 def test_user_point_to_point_runs_on_the_virtual_clock() -> None:
     """send/recv/isend/irecv between virtual ranks: the data (non-contiguous too), the time of a
     message (header and payload share the path: α + (S + 24)β), a mismatch raised with the pair
-    still in step, and no any-source receive."""
+    still in step."""
     numel = 1 << 16
 
     def body(rank: int, n: int) -> float:
@@ -206,14 +206,113 @@ def test_user_point_to_point_runs_on_the_virtual_clock() -> None:
             after = torch.empty(5)
             dist.recv(after, src=0)
             assert torch.equal(after, torch.full((5,), 2.0))
-            with pytest.raises(ValueError, match="any-source"):
-                dist.recv(after)
         dist.barrier()  # collectives after user messages: their own channel
         return spent
 
     link = Network.flat(3).inter
     times = dist.launch(body, 3, backend="sim")
     assert times[1] == pytest.approx(link.alpha + (numel * 8 + 24) * link.beta, rel=1e-9)
+
+
+def test_any_source_receives_take_the_earliest_arrival_ties_to_the_lowest_rank() -> None:
+    """recv without src on virtual ranks (2 hosts of 3): the message whose header arrives first in
+    virtual time wins, so one posted later inside the host overtakes one from the other host;
+    equal arrivals go in rank order; a message of another tag is passed over; two waited for in
+    reverse order choose in posting order; if none can come, the wait raises naming "any rank"."""
+
+    def body(rank: int, n: int) -> list[int]:
+        big = 1 << 16
+        if rank == 0:
+            got, small = torch.empty(big), torch.empty(1)
+            order = [dist.recv(small) for _ in range(2)]  # ranks 1 and 2 (2 µs late, 2 µs away) tie
+            order.append(dist.recv(got))  # rank 3's, posted first but 5 µs away
+            assert torch.equal(got, torch.full((big,), 3.0))
+            work = dist.irecv(small, tag=5)
+            work.wait()
+            order.append(work.source_rank())  # rank 5's tag-5 message, though rank 4's untagged one came first
+            dist.recv(small, src=4)
+            first, second = torch.empty(1), torch.empty(1)
+            late = [dist.irecv(first), dist.irecv(second)]
+            late[1].wait()  # the receive posted first chooses first: rank 1's message, then rank 2's
+            late[0].wait()
+            assert (first.item(), second.item()) == (11.0, 12.0)
+            return order + [w.source_rank() for w in late]
+        if rank == 3:
+            dist.send(torch.full((big,), 3.0), 0)
+        else:
+            sim.compute(2e-6 if rank < 3 else 1e-4 * (rank - 3))
+            dist.send(torch.full((1,), float(rank)), 0, tag=5 if rank == 5 else 0)
+        if rank in (1, 2):
+            sim.compute(1e-3 * rank)
+            dist.send(torch.full((1,), 10.0 + rank), 0)
+        return []
+
+    assert sim.launch(body, 6, network=Network(2, 3))[0] == [1, 2, 3, 5, 1, 2]
+
+    def lonely(rank: int, n: int) -> None:
+        if rank == 0:
+            dist.recv(torch.empty(1))
+
+    with pytest.raises(dist.CollectiveError, match="virtual rank 0 waits .* for a message from any rank"):
+        dist.launch(lonely, 2, backend="sim")
+
+
+def test_new_group_on_virtual_ranks() -> None:
+    """dist.new_group on virtual ranks: collectives on disjoint subgroups exact (sizes 0, 1, < m,
+    not divisible by m) and each at its closed-form time while the other runs (no shared link);
+    a group's messages never meet another's (rank 1 takes the subgroup's broadcast before the
+    world's, which rank 0 sent first); non-members get NonMember; only the sim backend."""
+    n = 7
+    link = Network.flat(n).inter
+
+    def body(rank: int, world: int) -> float:
+        evens = dist.new_group(range(0, n, 2))
+        odds = dist.new_group(range(1, n, 2))
+        pair = dist.new_group([0, 1])
+        g = evens if rank % 2 == 0 else odds
+        assert (odds if rank % 2 == 0 else evens) == dist.GroupMember.NON_GROUP_MEMBER
+        mine = list(range(rank % 2, n, 2))
+        m, total = len(mine), float(sum(mine))
+        for size in (0, 1, m - 1, 3 * m + 1):
+            for alg in ("ring", "recursive_doubling", "auto"):
+                t = _input(rank, size)
+                dist.all_reduce(t, group=g, algorithm=alg)
+                assert torch.equal(t, torch.arange(size, dtype=F64) * 3 * m + total), (rank, alg, size)
+            t = _input(rank, size)
+            dist.broadcast(t, mine[-1], group=g)
+            assert torch.equal(t, _input(mine[-1], size))
+            out = torch.empty(m * size, dtype=F64)
+            dist.all_gather_into_tensor(out, _input(rank, size), group=g)
+            assert torch.equal(out, torch.cat([_input(q, size) for q in mine]))
+        numel = 3 * 4 * 1000
+        t = torch.ones(numel)
+        dist.barrier()
+        start = sim.clock()
+        dist.all_reduce(t, group=g, algorithm="ring")
+        spent = sim.clock() - start
+        if rank < 2:  # eager sends: rank 0's world message waits, rank 1 takes the subgroup's first
+            x, y = torch.full((3,), 10.0 + rank), torch.full((3,), 20.0 + rank)
+            if rank == 0:
+                dist.broadcast(x, 0, algorithm="binomial")
+                dist.broadcast(y, 0, group=pair, algorithm="binomial")
+            else:
+                dist.broadcast(y, 0, group=pair, algorithm="binomial")
+                assert torch.equal(y, torch.full((3,), 20.0))
+        else:
+            dist.broadcast(torch.empty(3), 0, algorithm="binomial")
+        if rank == 1:
+            dist.broadcast(x, 0, algorithm="binomial")
+            assert torch.equal(x, torch.full((3,), 10.0))
+        with pytest.raises(ValueError, match="only the sim backend"):
+            dist.new_group([0, 1], backend="p2p")
+        assert dist.get_pg_count() == (3 if rank < 2 else 2)  # the world and this rank's subgroups
+        return spent
+
+    times = dist.launch(body, n, backend="sim")
+    for rank, spent in enumerate(times):
+        m = 4 if rank % 2 == 0 else 3
+        want = 2 * (m - 1) * (link.alpha + 4 * 3 * 4 * 1000 / m * link.beta)
+        assert spent == pytest.approx(want, rel=1e-9), rank
 
 
 @pytest.mark.parametrize("n", [2, 7, 16])
@@ -373,6 +472,10 @@ def test_study_command_prints_table_crossovers_plot_and_trace(tmp_path, capsys) 
     assert png.read_bytes()[:4] == b"\x89PNG"
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
+    main(["bench", "--world-size", "8", "--mb", "1", "--exact-numel", "9"])  # the simulator's own cost
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["timing only", "exact"]
+    assert all("112 messages" in line and "s CPU, peak RSS" in line for line in lines), lines
 
 
 def test_a_straggler_delays_the_ring_by_its_lateness() -> None:
@@ -399,10 +502,14 @@ def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, 
     path = tmp_path / "bench.json"
     row = {"op": "all_reduce", "world_size": 4, "bytes": 1 << 20, "algorithm": "ring", "ours_us": 1000.0,
            "net_alpha": 1e-4, "net_beta": 8e-9, "local_alpha": 1e-5, "local_beta": 1e-10}
-    path.write_text(json.dumps([row]))
+    path.write_text(json.dumps([row, dict(row, load_average=3.5), dict(row, load_average=7.25)]))
     main(["validate", str(path), "--hosts", "4"])
     simulated = 6 * (1e-4 + (1 << 20) / 4 * 8e-9) * 1e6  # 4 hosts of one rank: a ring over the net link
-    assert f"{simulated:.0f}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{simulated:.0f}" in out and "load average (1 min) at the measured rows: 3.5-7.2" in out
+    main(["validate", str(path), str(path), "--hosts", "4"])  # several runs: the median and range per row
+    ratio = simulated / 1000.0
+    assert f"all_reduce    4     4      1M  {ratio:.2f} ({ratio:.2f}-{ratio:.2f} of 6)" in capsys.readouterr().out
     # the run's own tuning: a broadcast of 16 MiB under chain_bytes 64 MiB is a binomial tree, not a chain
     tree = dict(row, op="broadcast", bytes=16 << 20, algorithm="hierarchical", tuning=dataclasses.asdict(Tuning()),
                 shm_alpha=2e-5, shm_beta=3e-10, reduce_alpha=1e-6, reduce_beta=1e-10)
