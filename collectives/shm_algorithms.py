@@ -195,7 +195,11 @@ def _one_shot_operands(regions: SharedRegions, buf: torch.Tensor, half: int) -> 
 def _one_shot(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp, signature: int,
               planned: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = None) -> None:
     """The one-shot all-reduce of ``buf`` (see the module docstring); ``planned``: both halves'
-    :func:`_one_shot_operands`, made once (else made here for the half in use)."""
+    :func:`_one_shot_operands`, made once (else made here for the half in use).
+
+    This is the reference: where the transport has a native kernel for the call
+    (:meth:`~collectives.transport.base.SharedRegions.one_shot_kernel`), the callers run that
+    instead, which does the same steps with the same bits."""
     n = regions.world_size
     half = regions.begin_piece(signature)
     mine, operands = planned[half] if planned is not None else _one_shot_operands(regions, buf, half)
@@ -219,8 +223,18 @@ def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> 
     n, numel, dtype = regions.world_size, buf.numel(), buf.dtype
     if n == 1 or numel == 0 or not one_shot_fits(regions, numel * dtype.itemsize):
         return None
+    signature = _signature("all_reduce", numel, dtype, op)
+    native = regions.one_shot_kernel(numel, dtype, op, signature)
+    if native is not None:
+        return functools.partial(native, buf) if op is not ReduceOp.AVG else functools.partial(_finished, native, buf, n)
     halves = [_one_shot_operands(regions, buf, h) for h in (0, 1)]
-    return functools.partial(_one_shot, regions, buf, op, _signature("all_reduce", numel, dtype, op), halves)
+    return functools.partial(_one_shot, regions, buf, op, signature, halves)
+
+
+def _finished(native: Callable[[torch.Tensor], None], buf: torch.Tensor, n: int) -> None:
+    """An AVG through a native one-shot: the sum, then the division (:func:`finish`)."""
+    native(buf)
+    finish(ReduceOp.AVG, buf, n)
 
 
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
@@ -233,7 +247,11 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     numel, dtype = buf.numel(), buf.dtype
     signature = _signature("all_reduce", numel, dtype, op)
     if one_shot_fits(regions, numel * dtype.itemsize):
-        _one_shot(regions, buf, op, signature)
+        if (native := regions.one_shot_kernel(numel, dtype, op, signature)) is not None:
+            native(buf)
+            finish(op, buf, n)
+        else:
+            _one_shot(regions, buf, op, signature)
         return
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
         piece = buf[lo:hi]
