@@ -2,7 +2,8 @@
 
 A 4 KiB one-shot in Python is ~500 bytecodes of protocol (copy in, publish the step, wake,
 wait, compare signatures, fold, publish done) around two small torch calls; the same steps in
-C take one ``ctypes`` call (DESIGN §3 has the numbers). ``oneshot.c`` implements exactly the
+C take one call of a small CPython extension module (DESIGN §3 has the numbers; a ``ctypes``
+call of its seven arguments alone cost ~1.5 µs, the module's ~0.06). ``oneshot.c`` implements exactly the
 steps of :func:`collectives.shm_algorithms._one_shot` over :class:`.regions.Regions`, on the
 same control words, so ranks running it and ranks running the Python path interoperate. Only
 its busy spin (:data:`.waiting.BUSY_SPIN`, none when ranks outnumber cores) runs in C: a wait
@@ -19,21 +20,27 @@ half precision and anything else run the Python path. The one difference: where 
 with different payloads meet in a float sum or product, either payload may come out (C and
 torch may order the operands of ``+`` differently); both are NaN.
 
-The library is named after a CRC of ``oneshot.c``, so a changed source is never run from a
-stale build. When it cannot be loaded (not built: no compiler at set-up; another platform)
-or ``RINGDDP_NATIVE=0``, :func:`kernel` returns None, one ``logging`` line says why, and the
-Python path runs.
+The module is built by the system C compiler against this interpreter's headers and named
+after a CRC of ``oneshot.c`` and the interpreter's ABI, so a changed source or another Python is
+never run from a stale build. When it cannot be loaded (not built: no compiler or no Python
+headers at set-up; another platform) or ``RINGDDP_NATIVE=0``, :func:`kernel` returns None, one
+``logging`` line says why, and the Python path runs.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import pathlib
 import subprocess
 import sys
+import sysconfig
+import types
 import zlib
+from typing import Callable
 
 import torch
 
@@ -43,7 +50,7 @@ from .control import DONE, ON_DONE, ON_STEP, SEQ, SLEEPING, TAG
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("oneshot.c")
-FLAGS = ("-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-std=gnu11")
+FLAGS = ("-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-std=gnu11", "-fvisibility=hidden")
 #: ranks the kernel keeps its operands for on the stack (``MAX_STACK_RANKS`` in oneshot.c).
 MAX_RANKS = 64
 #: what a call of the kernel that did not finish asks for (its reply ``>> 32``; the peer in the
@@ -70,52 +77,55 @@ class Plan(ctypes.Structure):
 
 
 def library_path() -> pathlib.Path:
-    """Where the library built from the current ``oneshot.c`` lies (named after its CRC)."""
+    """Where the module built from the current ``oneshot.c`` for this interpreter lies."""
     crc = zlib.crc32(SOURCE.read_bytes())
-    return SOURCE.with_name(f"_oneshot_{crc:08x}.so")
+    return SOURCE.with_name(f"_oneshot_{crc:08x}{sysconfig.get_config_var('EXT_SUFFIX')}")
 
 
 def build(compiler: str | None = None) -> pathlib.Path:
     """Compile ``oneshot.c`` with the system C compiler (``$CC``, default ``gcc``) unless built
-    already; returns the library's path. Raises ``OSError`` / ``CalledProcessError`` on failure."""
+    already; returns the module's path. Raises ``OSError`` / ``CalledProcessError`` on failure."""
     target = library_path()
     if not target.exists():
         for stale in SOURCE.parent.glob("_oneshot_*.so"):
             stale.unlink()
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         cc = compiler or os.environ.get("CC", "gcc")
-        subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE)], check=True, capture_output=True, text=True)
+        include = sysconfig.get_paths()["include"]
+        subprocess.run([cc, *FLAGS, f"-I{include}", "-o", str(partial), str(SOURCE)],
+                       check=True, capture_output=True, text=True)
         os.replace(partial, target)  # atomic: a concurrent loader sees all or nothing
     return target
 
 
-def _load() -> ctypes.CDLL | None:
+def _load() -> types.ModuleType | None:
     if os.environ.get("RINGDDP_NATIVE", "1") == "0":
         log.info("RINGDDP_NATIVE=0: the shm one-shot all-reduce runs in Python")
         return None
     path = library_path()
     try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
+        loader = importlib.machinery.ExtensionFileLoader(f"{__package__}._oneshot", str(path))
+        spec = importlib.util.spec_from_file_location(loader.name, str(path), loader=loader)
+        if spec is None:
+            raise ImportError(f"no module spec for {path}")
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError) as exc:
         log.warning("native one-shot kernel not loaded (%s; `bash scripts/setup.sh` builds it): "
                     "the shm one-shot all-reduce runs in Python", exc)
         return None
-    lib.ringddp_one_shot.restype = ctypes.c_int64
-    lib.ringddp_one_shot.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
-    lib.ringddp_offers.restype = ctypes.c_int
-    lib.ringddp_offers.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    return lib
+    return module
 
 
-_lib: ctypes.CDLL | None | bool = False  # False: not loaded yet
+_module: types.ModuleType | None | bool = False  # False: not loaded yet
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or None (logged once) where it is unavailable or switched off."""
-    global _lib
-    if _lib is False:
-        _lib = _load()
-    return _lib  # type: ignore[return-value]
+def library() -> types.ModuleType | None:
+    """The loaded module, or None (logged once) where it is unavailable or switched off."""
+    global _module
+    if _module is False:
+        _module = _load()
+    return _module  # type: ignore[return-value]
 
 
 def codes(dtype: torch.dtype, op: ReduceOp) -> tuple[int, int] | None:
@@ -127,10 +137,11 @@ def codes(dtype: torch.dtype, op: ReduceOp) -> tuple[int, int] | None:
     return None if o is None else (d, o)
 
 
-def kernel() -> "ctypes._CFuncPtr | None":
-    """``ringddp_one_shot(plan, buf, g, step, signature, phase, spin_ns)``, or None (see :func:`library`)."""
-    lib = library()
-    return None if lib is None else lib.ringddp_one_shot
+def kernel() -> Callable[..., int] | None:
+    """``one_shot(plan, buf, g, step, signature, phase, spin_ns)`` (addresses and ints; see
+    oneshot.c), or None (see :func:`library`)."""
+    module = library()
+    return None if module is None else module.one_shot
 
 
 def plan(rank: int, world: int, dtype: torch.dtype, op: ReduceOp, numel: int,
@@ -141,7 +152,7 @@ def plan(rank: int, world: int, dtype: torch.dtype, op: ReduceOp, numel: int,
     socket to that peer (-1 for this rank)."""
     found = codes(dtype, op)
     lib = library()
-    if lib is None or found is None or world > MAX_RANKS or not lib.ringddp_offers(*found):
+    if lib is None or found is None or world > MAX_RANKS or not lib.offers(*found):
         return None
     words = ctypes.c_void_p * world
     return Plan(rank, world, found[0], found[1], numel * dtype.itemsize, numel,

@@ -160,7 +160,7 @@ class Regions(SharedRegions):
         plan = native.plan(self.rank, n, dtype, op, numel, ctrl_at, halves, self._waiter.socket_fds())
         if kernel is None or plan is None:
             return None
-        at = ctypes.cast(ctypes.pointer(plan), ctypes.c_void_p)  # holds the plan, which holds its arrays
+        at = ctypes.addressof(plan)
         ctrl, check, wait, busy_spin = self._ctrl, self._check, self._wait, self._waiter.busy_spin
 
         def run(buf: torch.Tensor) -> None:
@@ -182,6 +182,7 @@ class Regions(SharedRegions):
             self._pieces = g + 1
             check.verified = check.seq
 
+        run.plan = plan  # type: ignore[attr-defined]  # what the kernel reads (and the arrays it holds) lives as long
         return run
 
     def mismatch(self, peer: Peer, detail: str) -> CollectiveError:
