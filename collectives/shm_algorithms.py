@@ -35,6 +35,8 @@ All-reduce, one-shot (up to :func:`one_shot_limit`: ``ONE_SHOT_BYTES / n``)
     without ``out=`` checks. In loop timing (``--timing loop``, alternating sample by sample in
     one run, 2 ranks) one-shot still won over two-shot at every size up to 2 MiB: 64 KiB 155 vs
     375 µs, 1 MiB 820 vs 961, 2 MiB 1349 vs 1658 (a busy machine, load 3-5).
+    On ``shm`` the whole one-shot runs as one native call where the transport has the kernel
+    (``transport/shm/oneshot.c``, the same steps and bits; :func:`_one_shot` is the reference).
 
 Reduce-scatter
     Copy every chunk but one's own into the region; step; rank ``r`` combines chunk ``r`` of
@@ -218,8 +220,10 @@ def one_shot_fits(regions: SharedRegions, nbytes: int) -> bool:
 
 def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> Callable[[], None] | None:
     """All-reduce of this very ``buf`` planned once, to be run many times (a persistent
-    collective, :mod:`collectives.persistent`): the one-shot with its signature and both halves'
-    tensors computed now, or None where ``buf`` does not run one-shot."""
+    collective, :mod:`collectives.persistent`): the one-shot as the transport's native call
+    where it has one (:meth:`~collectives.transport.base.SharedRegions.one_shot_kernel`), else
+    with its signature and both halves' tensors computed now; None where ``buf`` does not run
+    one-shot."""
     n, numel, dtype = regions.world_size, buf.numel(), buf.dtype
     if n == 1 or numel == 0 or not one_shot_fits(regions, numel * dtype.itemsize):
         return None

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import sysconfig
 
 import pytest
 import torch
@@ -86,7 +88,11 @@ def test_native_one_shot_gives_the_python_paths_bits_and_meets_it(world_size, py
     the Python reference's bits (here: the fold computed with torch), floats with inf, -0.0 and
     a NaN, integers that wrap; at 3 ranks rank 1 runs the Python path beside two native ranks in
     the same calls (one protocol); a dtype/op the kernel does not offer takes the Python path."""
-    assert native.library() is not None, "scripts/setup.sh builds the kernel; this machine has gcc"
+    if native.library() is None:
+        buildable = shutil.which(os.environ.get("CC", "gcc")) and os.path.exists(
+            os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+        assert not buildable, "a C compiler and Python's headers are here: bash scripts/setup.sh builds the kernel"
+        pytest.skip("no C compiler or no Python headers: only the Python path runs here")
     results = collectives.launch(both_paths, world_size, python_ranks, backend="shm", timeout=30.0, join_timeout=200)
     for rank, result in enumerate(results):
         assert result["loaded"] == (rank not in python_ranks)
