@@ -102,8 +102,8 @@ def _load() -> types.ModuleType | None:
     if os.environ.get("RINGDDP_NATIVE", "1") == "0":
         log.info("RINGDDP_NATIVE=0: the shm one-shot all-reduce runs in Python")
         return None
-    path = library_path()
     try:
+        path = library_path()
         loader = importlib.machinery.ExtensionFileLoader(f"{__package__}._oneshot", str(path))
         spec = importlib.util.spec_from_file_location(loader.name, str(path), loader=loader)
         if spec is None:
