@@ -104,3 +104,16 @@ def test_native_one_shot_gives_the_python_paths_bits_and_meets_it(world_size, py
                 for i, got in enumerate(result["results"][(str(dtype), op.name, numel)]):
                     same = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
                     assert same, (rank, dtype, op, numel, "plain" if i == 0 else f"start {i}")
+
+
+def test_a_missing_build_is_logged_and_leaves_the_python_path(tmp_path, monkeypatch, caplog):
+    """README / DESIGN §3: where the module was not built for the current source (here: a source
+    whose CRC names no built file), loading says so in one WARNING and returns None (the
+    callers then run the Python one-shot); building it is ``scripts/setup.sh``'s job."""
+    changed = tmp_path / "oneshot.c"
+    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native._load() is None
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "scripts/setup.sh" in caplog.records[0].getMessage()
