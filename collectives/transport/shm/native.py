@@ -3,9 +3,10 @@
 A 4 KiB one-shot in Python is ~500 bytecodes of protocol (copy in, publish the step, wake,
 wait, compare signatures, fold, publish done) around two small torch calls; the same steps in
 C take one call of a small CPython extension module (DESIGN §3 has the numbers; a ``ctypes``
-call of its seven arguments alone cost ~1.5 µs, the module's ~0.06). ``oneshot.c`` implements exactly the
-steps of :func:`collectives.shm_algorithms._one_shot` over :class:`.regions.Regions`, on the
-same control words, so ranks running it and ranks running the Python path interoperate. Only
+call of one or two arguments alone cost 1-1.6 µs here, the module's of seven 0.06).
+``oneshot.c`` implements exactly the steps of :func:`collectives.shm_algorithms._one_shot`
+over :class:`.regions.Regions`, on the same control words, so ranks running it and ranks
+running the Python path interoperate. Only
 its busy spin (:data:`.waiting.BUSY_SPIN`, none when ranks outnumber cores) runs in C: a wait
 not over by then returns to Python, which waits with the transport's waiter (yielding, sleep,
 deadline, dead peers, abandoned groups, the same errors) and calls again where it stopped.
