@@ -229,8 +229,10 @@ def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> 
         return None
     signature = _signature("all_reduce", numel, dtype, op)
     native = regions.one_shot_kernel(numel, dtype, op, signature)
+    if native is not None and op is ReduceOp.AVG:
+        return functools.partial(_finished, native, buf, n)
     if native is not None:
-        return functools.partial(native, buf) if op is not ReduceOp.AVG else functools.partial(_finished, native, buf, n)
+        return functools.partial(native, buf)
     halves = [_one_shot_operands(regions, buf, h) for h in (0, 1)]
     return functools.partial(_one_shot, regions, buf, op, signature, halves)
 
