@@ -37,7 +37,6 @@ import logging
 import os
 import pathlib
 import subprocess
-import sys
 import sysconfig
 import types
 import zlib
@@ -162,12 +161,13 @@ def plan(rank: int, world: int, dtype: torch.dtype, op: ReduceOp, numel: int,
 
 
 def main() -> int:
-    """``scripts/setup.sh``: build, or say why not on stderr (the Python path then runs); 0 either way."""
+    """``scripts/setup.sh``: build, or log why not (the Python path then runs); 0 either way."""
+    logging.basicConfig(level=logging.INFO, format="ringddp: %(message)s")
     try:
         built = build()
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        sys.stderr.write(f"ringddp: native one-shot kernel not built ({detail}); the Python path will run\n")
+        log.warning("native one-shot kernel not built (%s); the Python path will run", detail)
     else:
-        sys.stderr.write(f"ringddp: native one-shot kernel {built.name}\n")
+        log.info("native one-shot kernel %s", built.name)
     return 0
