@@ -35,6 +35,8 @@ All-reduce, one-shot (up to :func:`one_shot_limit`: ``ONE_SHOT_BYTES / n``)
     without ``out=`` checks. In loop timing (``--timing loop``, alternating sample by sample in
     one run, 2 ranks) one-shot still won over two-shot at every size up to 2 MiB: 64 KiB 155 vs
     375 µs, 1 MiB 820 vs 961, 2 MiB 1349 vs 1658 (a busy machine, load 3-5).
+    On ``shm`` the whole one-shot runs as one native call where the transport has the kernel
+    (``transport/shm/oneshot.c``, the same steps and bits; :func:`_one_shot` is the reference).
 
 Reduce-scatter
     Copy every chunk but one's own into the region; step; rank ``r`` combines chunk ``r`` of
@@ -195,7 +197,11 @@ def _one_shot_operands(regions: SharedRegions, buf: torch.Tensor, half: int) -> 
 def _one_shot(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp, signature: int,
               planned: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = None) -> None:
     """The one-shot all-reduce of ``buf`` (see the module docstring); ``planned``: both halves'
-    :func:`_one_shot_operands`, made once (else made here for the half in use)."""
+    :func:`_one_shot_operands`, made once (else made here for the half in use).
+
+    This is the reference: where the transport has a native kernel for the call
+    (:meth:`~collectives.transport.base.SharedRegions.one_shot_kernel`), the callers run that
+    instead, which does the same steps with the same bits."""
     n = regions.world_size
     half = regions.begin_piece(signature)
     mine, operands = planned[half] if planned is not None else _one_shot_operands(regions, buf, half)
@@ -214,13 +220,27 @@ def one_shot_fits(regions: SharedRegions, nbytes: int) -> bool:
 
 def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> Callable[[], None] | None:
     """All-reduce of this very ``buf`` planned once, to be run many times (a persistent
-    collective, :mod:`collectives.persistent`): the one-shot with its signature and both halves'
-    tensors computed now, or None where ``buf`` does not run one-shot."""
+    collective, :mod:`collectives.persistent`): the one-shot as the transport's native call
+    where it has one (:meth:`~collectives.transport.base.SharedRegions.one_shot_kernel`), else
+    with its signature and both halves' tensors computed now; None where ``buf`` does not run
+    one-shot."""
     n, numel, dtype = regions.world_size, buf.numel(), buf.dtype
     if n == 1 or numel == 0 or not one_shot_fits(regions, numel * dtype.itemsize):
         return None
+    signature = _signature("all_reduce", numel, dtype, op)
+    native = regions.one_shot_kernel(numel, dtype, op, signature)
+    if native is not None and op is ReduceOp.AVG:
+        return functools.partial(_finished, native, buf, n)
+    if native is not None:
+        return functools.partial(native, buf)
     halves = [_one_shot_operands(regions, buf, h) for h in (0, 1)]
-    return functools.partial(_one_shot, regions, buf, op, _signature("all_reduce", numel, dtype, op), halves)
+    return functools.partial(_one_shot, regions, buf, op, signature, halves)
+
+
+def _finished(native: Callable[[torch.Tensor], None], buf: torch.Tensor, n: int) -> None:
+    """An AVG through a native one-shot: the sum, then the division (:func:`finish`)."""
+    native(buf)
+    finish(ReduceOp.AVG, buf, n)
 
 
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
@@ -233,7 +253,11 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     numel, dtype = buf.numel(), buf.dtype
     signature = _signature("all_reduce", numel, dtype, op)
     if one_shot_fits(regions, numel * dtype.itemsize):
-        _one_shot(regions, buf, op, signature)
+        if (native := regions.one_shot_kernel(numel, dtype, op, signature)) is not None:
+            native(buf)
+            finish(op, buf, n)
+        else:
+            _one_shot(regions, buf, op, signature)
         return
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
         piece = buf[lo:hi]

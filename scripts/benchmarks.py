@@ -72,7 +72,8 @@ SUITES: tuple[Suite, ...] = (
           ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float32",
            "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
     Suite("all_reduce-peers", "collectives.bench",
-          ("--backend", "shm", "--peers", "mpi", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4",
+          ("--backend", "shm", "--peers", "mpi,deepspeed", "--persistent", "--timing", "loop", "--ops", "all_reduce",
+           "--world-sizes", "2,4",
            "--dtypes", "float32", "--min-bytes", "4K", "--max-bytes", "64M", "--iters", "10")),
     Suite("all_reduce-half", "collectives.bench",
           ("--shm", "--timing", "loop", "--ops", "all_reduce", "--world-sizes", "2,4", "--dtypes", "float16,bfloat16",
@@ -349,9 +350,10 @@ held against. `--peers mpi` (optional extra `pip install 'ringddp[peers]'`: mpi4
 `mpich` wheel) starts the ranks with that MPI's `mpiexec`; every rank is an MPI process and
 one of ours, so the `mpi` column (`MPI_Allreduce(MPI_IN_PLACE, ...)` on a NumPy view of the
 same tensor, through mpi4py) is timed interleaved with ours (`shm` here) and torch's, call by
-call, and checked against torch's result like the others. `ours vs` = MPI's time / ours (above
-1: ours is faster). DeepSpeed's CPU shared-memory all-reduce (its C++ op, JIT-built) is not a
-column: it needs DeepSpeed and a compiler toolchain on the machine.
+call, and checked against torch's result like the others. `deepspeed` is DeepSpeed's CPU
+shared-memory `inference_all_reduce` (its C++ op, JIT-built with `DS_ACCELERATOR=cpu`) in the
+same ranks; `persistent` is ours again through `collectives.all_reduce_init` (planned once,
+started every call). `ours vs` = that column's time / ours (above 1: ours is faster).
 
 How each waits matters at 4 ranks on 2 cores, where a waiting rank holds a core a peer needs.
 One 4 KiB all-reduce whose rank 0 arrives 200 ms late (measured once each, at load 10-16):

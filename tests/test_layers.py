@@ -39,7 +39,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("collectives.transport.shm.control",),
     ("collectives.transport.shm.config",),
     ("collectives.transport.shm.segment",),
-    ("collectives.transport.shm.rendezvous", "collectives.transport.shm.waiting"),
+    ("collectives.transport.shm.rendezvous", "collectives.transport.shm.waiting", "collectives.transport.shm.native"),
     ("collectives.transport.shm.wirecheck",),
     ("collectives.transport.shm.fifo", "collectives.transport.shm.cma"),
     ("collectives.transport.shm.regions",),

@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import ContextManager, Iterable, Mapping, Protocol, Sequence
+from typing import Callable, ContextManager, Iterable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
+from ..ops import ReduceOp
 from ..tuning import Tuning
 
 Peer = int
@@ -262,6 +263,17 @@ class SharedRegions(abc.ABC):
         (``detail`` says how). A transport that checks calls itself (``shm``'s wire check) returns
         its own description of both calls and tells the peers to stop waiting."""
         return CollectiveError(f"{self.op}: {detail}", op=self.op, peer=peer)
+
+    def one_shot_kernel(
+        self, numel: int, dtype: torch.dtype, op: ReduceOp, signature: int
+    ) -> Callable[[torch.Tensor], None] | None:
+        """Optional: the one-shot all-reduce of a contiguous buffer of ``numel`` elements of
+        ``dtype`` (one piece; :func:`collectives.shm_algorithms.one_shot_fits`) as one native
+        call: ``run(buf)`` does what ``begin_piece(signature)``, the copy in, ``step``, the fold
+        in rank order and ``end_piece`` do, bitwise alike, and interoperates with peers running
+        those (AVG folds as SUM: the caller divides). None where the transport has no kernel
+        for this call; then the caller runs the algorithm itself."""
+        return None
 
     def allocate(self, nbytes: int) -> list[torch.Tensor] | None:
         """Optional: *symmetric memory*, ``nbytes`` on every rank that every rank can read and write.

@@ -16,15 +16,18 @@ allocation that the user computes in, which every peer maps.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from ...errors import CollectiveError
+from ...ops import ReduceOp
 from ..base import Peer, SharedRegions, Transport
+from . import native
 from .cma import SingleCopy
 from .config import ShmConfig
 from .control import DONE, ON_DONE, ON_STEP, PAGE, SEQ, TAG, fence
@@ -66,6 +69,7 @@ class Regions(SharedRegions):
         self.cma = cma
         self._segments = segments
         self._ctrl = segments.ctrl
+        self._waiter = waiter
         self._wake, self._wait = waiter.wake, waiter.wait
         self._check = check
         self._single_copy = single_copy
@@ -80,6 +84,7 @@ class Regions(SharedRegions):
         self._pieces = 0  # pieces finished: the piece under way is number _pieces
         self._half = self._signature = 0
         self._allocations = 0  # symmetric allocations made (see allocate)
+        self._kernels: dict[tuple, Callable[[torch.Tensor], None] | None] = {}  # one_shot_kernel's
 
     @property
     def op(self) -> str:  # type: ignore[override]
@@ -132,6 +137,53 @@ class Regions(SharedRegions):
         if checked == self.world_size - 1:
             check = self._check
             check.verified = check.seq
+
+    def one_shot_kernel(
+        self, numel: int, dtype: torch.dtype, op: ReduceOp, signature: int
+    ) -> Callable[[torch.Tensor], None] | None:
+        """See :meth:`SharedRegions.one_shot_kernel`: :mod:`.native`'s, where it is loaded and
+        offers ``(dtype, op)``. Cached per call shape, like the views."""
+        key = (numel, dtype, op, signature)
+        run = self._kernels.get(key, False)
+        if run is False:
+            if len(self._kernels) >= 64:
+                self._kernels.clear()
+            run = self._kernels[key] = self._native_one_shot(numel, dtype, op, signature)
+        return run
+
+    def _native_one_shot(
+        self, numel: int, dtype: torch.dtype, op: ReduceOp, signature: int
+    ) -> Callable[[torch.Tensor], None] | None:
+        n, kernel = self.world_size, native.kernel()
+        halves = tuple([self._halves[q][h].data_ptr() for q in range(n)] for h in (0, 1))
+        ctrl_at = [d.data_ptr() for d in self._segments.data[:n]]  # a segment starts with its control block
+        plan = native.plan(self.rank, n, dtype, op, numel, ctrl_at, halves, self._waiter.socket_fds())
+        if kernel is None or plan is None:
+            return None
+        at = ctypes.addressof(plan)
+        ctrl, check, wait, busy_spin = self._ctrl, self._check, self._wait, self._waiter.busy_spin
+
+        def run(buf: torch.Tensor) -> None:
+            if not self._halves:
+                raise CollectiveError(f"{self.op}: the shm transport is closed", op=self.op)
+            g, step = self._pieces, self._step + 1
+            self._step, self._half = step, g % 2
+            self._signature = mine = signature ^ check.tag_base
+            phase, spin = 0, int(busy_spin() * 1e9)
+            while reply := kernel(at, buf.data_ptr(), g, step, mine, phase, spin):
+                phase, q = reply >> 32, reply & 0xFFFFFFFF
+                theirs = ctrl[q]
+                if phase == native.WAIT_DONE:  # begin_piece's wait
+                    wait(lambda: theirs[DONE] >= g - 1, nobody, "waiting for", q, ON_DONE)
+                elif phase == native.WAIT_STEP:  # step's
+                    wait(lambda: theirs[SEQ] >= step, nobody, "waiting for", q, ON_STEP)
+                else:  # native.MISMATCH
+                    raise check.abandon(check.error(q))
+            self._pieces = g + 1
+            check.verified = check.seq
+
+        run.plan = plan  # type: ignore[attr-defined]  # what the kernel reads (and the arrays it holds) lives as long
+        return run
 
     def mismatch(self, peer: Peer, detail: str) -> CollectiveError:
         """See :meth:`SharedRegions.mismatch`: :meth:`.wirecheck.WireCheck.mismatch`."""
@@ -191,3 +243,4 @@ class Regions(SharedRegions):
         """Drop the views of the regions (before the segments are unmapped)."""
         self._halves = []
         self._views = {}
+        self._kernels = {}

@@ -172,6 +172,16 @@ class Waiter:
             self._poll.register(s.fileno(), select.POLLIN)
             self._fd_peer[s.fileno()] = q
 
+    def busy_spin(self) -> float:
+        """Seconds a wait on this thread may spin without yielding before :meth:`wait` takes
+        over (:func:`spin_times`; none on a communication thread): for a native wait
+        (:mod:`.native`) that returns here when it is not over by then."""
+        return 0.0 if on_communication_thread() else self._busy_spin
+
+    def socket_fds(self) -> list[int]:
+        """Per rank, the socket :meth:`wake` writes to (-1 for this rank), for a native wake."""
+        return [self._socks[q].fileno() if q in self._socks else -1 for q in range(self.world_size)]
+
     def wake(self, event: int, peers: Iterable[Peer] | None = None) -> None:
         """Tell the peers (default: all) that ``event`` happened, writing a byte to those asleep on it."""
         fence()  # the counter we published must be visible before we read their flags (Dekker)
