@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -330,9 +331,18 @@ register_backend(
     "shm", "cpu", make_transport=ShmTransport.for_group, auto_priority=1, usable=ShmTransport.usable,
     description="our algorithms over shared memory, every rank on one host (falls back to p2p under auto)",
 )
+
+
+@functools.lru_cache(maxsize=16)
+def _sim_layout(hosts: tuple[str, ...]) -> Layout:
+    """The layout of a virtual group's hosts, made once for all its ranks (each of 1,024 virtual
+    ranks held its own copy of the same 1,024 hosts before)."""
+    return Layout.from_keys(hosts)
+
+
 register_backend(
     "sim", "cpu",
-    make_engine=lambda g, device: AlgorithmEngine(SimTransport.for_group(g), g.tuning, device, Layout.from_keys(g.hosts)),
+    make_engine=lambda g, device: AlgorithmEngine(SimTransport.for_group(g), g.tuning, device, _sim_layout(tuple(g.hosts))),
     description="our algorithms on virtual ranks in one process, on a modelled network's virtual clock (collectives.sim)",
     threadless=True,
 )

@@ -195,9 +195,10 @@ def _ring(
         return piece
 
     def incoming(m: int) -> torch.Tensor | None:
+        c = chunks(m)[1]
         if m // k >= reduce_steps:
-            return view(chunks(m)[1], m % k)
-        lo, hi = segs[chunks(m)[1]][m % k]
+            return view(c, m % k)
+        lo, hi = segs[c][m % k]
         return slot(m, hi - lo) if hi > lo else None
 
     def arrived(m: int) -> None:

@@ -98,6 +98,8 @@ class GroupInfo(Protocol):
 class Request(abc.ABC):
     """One posted send or receive."""
 
+    __slots__ = ()  # a subclass may keep its requests small (the simulator makes one per message)
+
     @abc.abstractmethod
     def wait(self) -> None:
         """Block until the buffer may be reused (send) or read (receive).

@@ -6,8 +6,9 @@ coroutine with its own stack) inside one process, and a :class:`Simulation` sche
 virtual clock:
 
 Scheduler
-    A discrete-event loop (the *hub*) keeps a heap of ``(time, seq, rank)`` wake-ups. It resumes
-    the rank with the earliest wake-up, which runs real Python (the algorithm, torch ops on real
+    A discrete-event loop (the *hub*) keeps the ``(time, seq, rank)`` wake-ups in time order (a
+    heap of the distinct times, each with its wake-ups in ``seq`` order). It resumes the rank
+    with the earliest wake-up, which runs real Python (the algorithm, torch ops on real
     tensors) in zero virtual time until it waits: on a message not yet sent, on a message still
     on the wire, or in :meth:`Simulation.sleep` (modelled compute). Then the hub resumes the next
     rank. A second heap holds the network's events (the predicted ends of the flows that share
@@ -249,7 +250,11 @@ class Simulation:
         self.now = 0.0
         self.messages = 0
         self.events: list[dict[str, Any]] | None = [] if trace else None
-        self._heap: list[tuple[float, int, _Task]] = []
+        # wake-ups: a heap of the distinct times, and per time its (seq, rank) in seq order (the
+        # order of a heap of (time, seq, rank), without comparing tuples: a ring's 1,024 ranks
+        # wake at one time)
+        self._times: list[float] = []
+        self._at: dict[float, collections.deque[tuple[int, _Task]]] = {}
         self._flows: list[tuple[float, int, _Flow]] = []  # predicted ends (stale ones are skipped)
         self._on: dict[int, dict[_Flow, None]] = {}  # per busy link: its flows, in starting order
         self._dirty: list[_Flow] = []  # flows whose rates must be recomputed before the clock moves
@@ -293,19 +298,24 @@ class Simulation:
         for task in tasks:
             task.glet = greenlet.greenlet(start, parent=self._hub)
             self._wake(task, self.now)
-        heap, flows = self._heap, self._flows
+        times, at, flows, pop = self._times, self._at, self._flows, heapq.heappop
         try:
             while True:
                 while True:
                     if self._dirty:
                         self._settle()
-                    if flows and (not heap or flows[0][0] <= heap[0][0]):
-                        when, _, flow = heapq.heappop(flows)
+                    if flows and (not times or flows[0][0] <= times[0]):
+                        when, _, flow = pop(flows)
                         if not flow.done and flow.end == when:  # else a prediction since revised
                             self.now = when
                             self._finish(flow)
-                    elif heap:
-                        when, seq, task = heapq.heappop(heap)
+                    elif times:
+                        when = times[0]
+                        bucket = at[when]
+                        seq, task = bucket.popleft()
+                        if not bucket:
+                            pop(times)
+                            del at[when]
                         if task.due != seq:  # a wake-up since revised
                             continue
                         self.now = when
@@ -323,7 +333,8 @@ class Simulation:
             raise
         finally:
             self._running = None
-            self._heap.clear()
+            self._times.clear()
+            self._at.clear()
             self._flows.clear()
             self._on.clear()
             self._dirty.clear()
@@ -383,7 +394,11 @@ class Simulation:
     def _wake(self, task: _Task, when: float) -> None:
         """(Re)schedule ``task`` at ``when``: its earlier wake-up, if any, goes stale."""
         task.due = seq = next(self._seq)
-        heapq.heappush(self._heap, (when, seq, task))
+        bucket = self._at.get(when)
+        if bucket is None:
+            bucket = self._at[when] = collections.deque()
+            heapq.heappush(self._times, when)
+        bucket.append((seq, task))
 
     def current_rank(self) -> int:
         """The virtual rank running now."""
@@ -522,6 +537,11 @@ class Simulation:
         """Take the flows on a link that have ended by now off their links (lone ones have no
         event; one whose event is still queued for now gets :meth:`_finish` here)."""
         now = self.now
+        if len(sharing) == 1:  # the common case (a ring): no list to build
+            flow = next(iter(sharing))
+            if flow.end <= now:
+                self._finish(flow)
+            return
         for flow in [f for f in sharing if f.end <= now]:
             self._finish(flow)
 
@@ -631,8 +651,8 @@ class Simulation:
         if done is not None:
             if done <= self.now:
                 return
-            heap, flows = self._heap, self._flows
-            if (not heap or heap[0][0] > done) and (not flows or flows[0][0] > done):
+            times, flows = self._times, self._flows
+            if (not times or times[0] > done) and (not flows or flows[0][0] > done):
                 self.now = done  # nothing happens before: no flow can join ours
                 return
             self._wake(task, done)
@@ -698,8 +718,8 @@ class Simulation:
         before (or at) then."""
         if self._dirty:
             self._settle()
-        heap, flows = self._heap, self._flows
-        if (not heap or heap[0][0] > when) and (not flows or flows[0][0] > when):
+        times, flows = self._times, self._flows
+        if (not times or times[0] > when) and (not flows or flows[0][0] > when):
             self.now = when
             return
         self._wake(task, when)
