@@ -26,7 +26,7 @@ from typing import Callable, ContextManager, Protocol, Sequence, runtime_checkab
 import torch
 import torch.distributed as dist
 
-from . import adoption, direct, hierarchical, ring, shm_algorithms, tree
+from . import adoption, direct, hierarchical, ring, shm_algorithms, tree, wire
 from .buffers import Workspace
 from .ops import ReduceOp, finish
 from .topology import Layout
@@ -260,17 +260,30 @@ class AlgorithmEngine:
         else:
             tree.recursive_doubling_all_reduce(self.transport, buf, op, self.workspace)
 
-    def plan_all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str) -> Callable[[], None]:
-        """:meth:`all_reduce` of this very ``buf``, planned once to run many times (a persistent
-        collective, :mod:`collectives.persistent`): on shared regions, a one-shot with its views
-        and signature computed now (:func:`~collectives.shm_algorithms.plan_all_reduce`); anything
-        else chooses at each call as :meth:`all_reduce` does. Call it only after a collective has
-        run on this engine (the regions are set up by the first one)."""
+    def plan_all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str,
+                        header: wire.Header | None) -> tuple[Callable[[], None], bool]:
+        """:meth:`all_reduce` of this very ``buf`` as the collective ``all_reduce``, its transport
+        operation included, planned once to run many times (a persistent collective,
+        :mod:`collectives.persistent`); with it, whether that function reads ``header`` from
+        :func:`collectives.wire.current` (else it was given it here). On shared regions, a
+        one-shot with its views and signature computed now
+        (:func:`~collectives.shm_algorithms.plan_all_reduce`), the whole checked operation in one
+        call where the transport offers that; anything else chooses at each call as
+        :meth:`all_reduce` does. Call it only after a collective has run on this engine (the
+        regions are set up by the first one)."""
+        planned = None
         if algorithm == "auto" and (regions := self._regions()) is not None:
-            planned = shm_algorithms.plan_all_reduce(regions, buf, op)
-            if planned is not None:
-                return planned
-        return functools.partial(self.all_reduce, buf, op, algorithm)
+            planned = shm_algorithms.plan_all_reduce(regions, buf, op, header if self._hierarchy is None else None)
+            if planned is not None and planned[1]:  # the checked operation itself: given the header
+                return planned[0], False
+        body = planned[0] if planned is not None else functools.partial(self.all_reduce, buf, op, algorithm)
+        transport_op = self.transport_op
+
+        def run() -> None:
+            with transport_op("all_reduce"):
+                body()
+
+        return run, True
 
     def broadcast(self, buf: torch.Tensor, src: int, algorithm: str) -> None:
         if algorithm == "auto" and (regions := self._regions()) is not None:

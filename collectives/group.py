@@ -334,10 +334,11 @@ class Group:
         return None
 
     def _run(self, name: str, fn: Callable[[], None], header: wire.Header | None,
-             agree: debug.Signature | None = None) -> None:
+             agree: debug.Signature | None = None, current: bool = True) -> None:
         """A collective's turn in the queue: refuse on a broken group, let pending receives take
         their messages, compare ``agree`` with every rank first (DETAIL), make ``header`` the
-        wire check's, run ``fn`` without autograd; a :class:`CollectiveError` breaks the group."""
+        wire check's (unless ``current`` is False: ``fn`` was given it), run ``fn`` without
+        autograd; a :class:`CollectiveError` breaks the group."""
         try:
             if self._failure is not None:  # it may have broken while this call was queued
                 self.check_usable(name)
@@ -345,7 +346,7 @@ class Group:
                 self.mailbox.settle_shared()
             if agree is not None:
                 self._check_agreement(agree, header)  # before the header: its own traffic
-            previous = wire.swap(header)
+            previous = wire.swap(header) if current else None
             grad = torch.is_grad_enabled()  # off already inside backward hooks and under no_grad
             try:
                 if grad:
@@ -355,24 +356,32 @@ class Group:
             finally:
                 if grad:
                     _set_grad_enabled(True)
-                wire.swap(previous)
+                if current:
+                    wire.swap(previous)
         except CollectiveError as exc:
             self.mark_broken(exc)
             raise
 
-    def plan(self, name: str, fn: Callable[[], None], header: wire.Header) -> Callable[[], bool]:
+    def plan(self, name: str, fn: Callable[[], None], header: wire.Header, current: bool = True) -> Callable[[], bool]:
         """The per-call path of a persistent collective (:mod:`collectives.persistent`): a function
         that runs ``fn`` now, synchronously, as :meth:`submit` would with ``header`` (built with
         issuing thread 0), and returns True; or does nothing and returns False when the call
         needs more than that, so the caller submits it instead: not on the thread that created the
-        group, work queued or running on the group, a trace recording, ``--verbose`` logging."""
-        run = functools.partial(self._run, name, fn, header)
-        creator, executor, get_ident = self._creator_id, self._executor, threading.get_ident
+        group, work queued or running on the group, a trace recording, ``--verbose`` logging.
+        ``current=False``: ``fn`` runs its transport's operation with ``header`` itself, so it is
+        not made :func:`collectives.wire.current`."""
+        run = functools.partial(self._run, name, fn, header, None, current)
+        creator, get_ident, active, logs = self._creator_id, threading.get_ident, trace.active, log.isEnabledFor
+        claim, release = self._executor.claim, self._executor.release
 
         def start() -> bool:
-            if get_ident() != creator or trace.active() is not None or log.isEnabledFor(logging.DEBUG):
+            if get_ident() != creator or active() is not None or logs(logging.DEBUG) or not claim(name):
                 return False
-            return executor.run_if_idle(name, run)
+            try:
+                run()
+            finally:
+                release()
+            return True
 
         return start
 

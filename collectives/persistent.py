@@ -16,8 +16,10 @@ the wire check (the collective is numbered and its header published, so a rank t
 plan while its peer calls something else raises as with :func:`collectives.all_reduce`),
 autograd off, and the algorithm. On ``shm`` with a buffer up to the one-shot limit that is the
 one-shot with both halves' views of every region and its signature computed once
-(:func:`collectives.shm_algorithms.plan_all_reduce`); elsewhere the engine chooses as in every
-call. Anything else (``async_op=True``, another thread, queued work, tracing, DETAIL checks)
+(:func:`collectives.shm_algorithms.plan_all_reduce`); where the native kernel runs it, the
+transport's checked operation is part of that one call (the kernel publishes the call's number
+for the wire check: :meth:`collectives.transport.base.SharedRegions.checked_one_shot`), so a
+start is a few Python frames around one C call; elsewhere the engine chooses as in every call. Anything else (``async_op=True``, another thread, queued work, tracing, DETAIL checks)
 runs the ordinary :func:`collectives.all_reduce`, so a plan is never less checked or ordered
 than the call it stands for, and ranks may mix plans and ordinary calls freely: the wire
 header and the bits are the same.
@@ -57,7 +59,7 @@ class PersistentAllReduce:
         self.tensor, self.op, self.group, self.algorithm = tensor, op, group, algorithm
         self._signature = debug.signature(_NAME, tensor, op)
         self._key: tuple | None = None  # what the plan was made for (_state)
-        self._go: Callable[[], bool] | None = None  # the fast path, once planned
+        self._go: Callable[[], bool] | None = None  # the fast path (checks _state() first), once planned
 
     def _state(self) -> tuple:
         t = self.tensor
@@ -74,7 +76,7 @@ class PersistentAllReduce:
         as its other collectives); with ``async_op=True`` return a :class:`~collectives.work.Work`
         handle as :func:`collectives.all_reduce` does."""
         go = self._go
-        if go is not None and async_op is False and self._state() == self._key and go():
+        if go is not None and async_op is False and go():
             return None
         work = all_reduce(self.tensor, self.op, self.group, async_op, algorithm=self.algorithm)
         if self._state() != self._key:  # the first start (it set the transport up), or something changed
@@ -90,16 +92,25 @@ class PersistentAllReduce:
             return
         engine = g.engine(t.device, _NAME)
         flat = t if t.dim() == 1 else t.view(-1)
+        header = wire.header(self._signature, g.tuning, algorithm, None, key[0], 0)
         planner = getattr(engine, "plan_all_reduce", None)  # optional: engines without one choose per call
-        body = planner(flat, self.op, algorithm) if planner is not None else (
-            lambda: engine.all_reduce(flat, self.op, algorithm))
-        transport_op = engine.transport_op
+        if planner is not None:
+            run, current = planner(flat, self.op, algorithm, header)
+        else:
+            transport_op, current = engine.transport_op, True
 
-        def run() -> None:
-            with transport_op(_NAME):
-                body()
+            def run() -> None:
+                with transport_op(_NAME):
+                    engine.all_reduce(flat, self.op, algorithm)
 
-        self._go = g.plan(_NAME, run, wire.header(self._signature, g.tuning, algorithm, None, key[0], 0))
+        group_start, level = g.plan(_NAME, run, header, current), debug.level
+        planned_level, planned_tuning, ptr, numel = key
+
+        def go() -> bool:  # _state() == key, then the group's start, without their frames
+            return (level() == planned_level and g.tuning.key() == planned_tuning and t.data_ptr() == ptr
+                    and t.numel() == numel and group_start())
+
+        self._go = go
 
 
 def all_reduce_init(

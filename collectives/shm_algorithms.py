@@ -107,6 +107,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from . import wire
 from .ops import ReduceOp, combine, finish
 from .ring import balanced_bounds
 from .transport.base import SharedRegions
@@ -218,23 +219,29 @@ def one_shot_fits(regions: SharedRegions, nbytes: int) -> bool:
     return nbytes <= min(ONE_SHOT_BYTES // regions.world_size, regions.piece_bytes)
 
 
-def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> Callable[[], None] | None:
+def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp,
+                    header: wire.Header | None = None) -> tuple[Callable[[], None], bool] | None:
     """All-reduce of this very ``buf`` planned once, to be run many times (a persistent
     collective, :mod:`collectives.persistent`): the one-shot as the transport's native call
     where it has one (:meth:`~collectives.transport.base.SharedRegions.one_shot_kernel`), else
     with its signature and both halves' tensors computed now; None where ``buf`` does not run
-    one-shot."""
+    one-shot. With it, whether the function runs the transport's checked operation for
+    ``header`` itself (:meth:`~collectives.transport.base.SharedRegions.checked_one_shot`), else
+    the caller runs it inside the operation."""
     n, numel, dtype = regions.world_size, buf.numel(), buf.dtype
     if n == 1 or numel == 0 or not one_shot_fits(regions, numel * dtype.itemsize):
         return None
     signature = _signature("all_reduce", numel, dtype, op)
-    native = regions.one_shot_kernel(numel, dtype, op, signature)
+    native = None if header is None else regions.checked_one_shot("all_reduce", numel, dtype, op, signature, header)
+    checked = native is not None
+    if native is None:
+        native = regions.one_shot_kernel(numel, dtype, op, signature)
     if native is not None and op is ReduceOp.AVG:
-        return functools.partial(_finished, native, buf, n)
+        return functools.partial(_finished, native, buf, n), checked
     if native is not None:
-        return functools.partial(native, buf)
+        return functools.partial(native, buf), checked
     halves = [_one_shot_operands(regions, buf, h) for h in (0, 1)]
-    return functools.partial(_one_shot, regions, buf, op, signature, halves)
+    return functools.partial(_one_shot, regions, buf, op, signature, halves), False
 
 
 def _finished(native: Callable[[torch.Tensor], None], buf: torch.Tensor, n: int) -> None:

@@ -263,7 +263,7 @@ class Executor:
                 if not async_op:
                     raise  # an async call's error is the handle's, as when it is queued
             return work
-        if not async_op and self._enter(work.name):
+        if not async_op and self.claim(work.name):
             self._inline(fn, work)
             return work
         self._enqueue(work, fn, issuer)
@@ -276,23 +276,17 @@ class Executor:
         handle, no thread hop), else behind the pending work."""
         if threading.get_ident() == self._thread_id:  # a future callback: now (module docstring)
             self._inline(fn, None, nested=True)
-        elif self._enter(name):
+        elif self.claim(name):
             self._inline(fn, None)
         else:
             work = Work(name)
             self._enqueue(work, fn, issuer)
             work.wait()
 
-    def run_if_idle(self, name: str, fn: Callable[[], None]) -> bool:
-        """Run ``fn`` now on this thread (not the communication thread) if nothing is queued or
-        running, and return True; else return False and run nothing (the caller queues it)."""
-        if not self._enter(name):
-            return False
-        self._inline(fn, None)
-        return True
-
-    def _enter(self, name: str) -> bool:
-        """Claim the queue for an inline call if it is idle; False when the call must queue."""
+    def claim(self, name: str) -> bool:
+        """Claim the queue for a call run inline on this thread (not the communication thread)
+        if nothing is queued or running, and return True (then :meth:`release` it when the
+        call ends); False when the call must queue."""
         with self._mutex:
             if self._closed:
                 raise RuntimeError(f"{name}: the group was destroyed")
@@ -317,10 +311,14 @@ class Executor:
                 work.finish(None)
         finally:
             if not nested:
-                with self._mutex:
-                    self._busy = False
-                    if self._queue:
-                        self._ring()
+                self.release()
+
+    def release(self) -> None:
+        """End an inline call (:meth:`claim`): the queue's next item may run."""
+        with self._mutex:
+            self._busy = False
+            if self._queue:
+                self._ring()
 
     def _enqueue(self, work: Work, fn: Callable[[], None], issuer: int) -> None:
         with self._mutex:

@@ -2,6 +2,7 @@
 
     python scripts/profile_all_reduce.py                    # 4 KiB, 64 KiB, 1 MiB, float32 SUM, 2 ranks
     python scripts/profile_all_reduce.py --sizes 4K --calls 500 --samples 21
+    python scripts/profile_all_reduce.py --count --sizes 4K          # work per call, no clock
 
 Two parts, both on 2 ranks of the ``shm`` backend:
 
@@ -17,6 +18,10 @@ Two parts, both on 2 ranks of the ``shm`` backend:
   region, the reduction, a fence.
 
 The min is what the code costs; on a busy machine the median also carries other jobs' time.
+``--count`` measures without a clock instead: the work of one call on rank 0 (its peer ahead of it,
+so the call that did not wait: the min of ``--calls`` calls), as Python functions entered, C
+functions called and bytecodes executed (``sys.settrace`` / ``sys.setprofile``), for the public
+call and a planned start.
 """
 
 from __future__ import annotations
@@ -114,13 +119,59 @@ def profile_rank(rank: int, n: int, sizes: list[int], calls: int, samples: int) 
     return result
 
 
+def _work(fn: Callable[[], object]) -> tuple[int, int, int]:
+    """(Python functions, C calls, bytecodes) that one ``fn()`` runs."""
+    counts = [0, 0, 0]
+
+    def trace(frame, event, arg):  # noqa: ANN001, ANN202
+        if event == "call":
+            counts[0] += 1
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            counts[2] += 1
+        return trace
+
+    def profile(frame, event, arg):  # noqa: ANN001, ANN202
+        counts[1] += event == "c_call"
+
+    sys.setprofile(profile)
+    sys.settrace(trace)
+    fn()
+    sys.settrace(None)
+    sys.setprofile(None)
+    return counts[0], counts[1], counts[2]
+
+
+def count_rank(rank: int, n: int, sizes: list[int], calls: int) -> dict:
+    """``--count``: rank 0 counts each call; rank 1 runs the same calls, ahead of it."""
+    torch.set_num_threads(1)
+    result: dict = {}
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+        for name, f in (("collectives.all_reduce", lambda: collectives.all_reduce(t)),
+                        ("persistent start", collectives.all_reduce_init(t).start)):
+            for _ in range(20):
+                f()
+            collectives.barrier()
+            result[(nbytes, name)] = min(_work(f) for _ in range(calls)) if rank == 0 else [f() for _ in range(calls)]
+            collectives.barrier()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="4K,64K,1M")
     p.add_argument("--calls", type=int, default=200, help="calls per sample (fewer for large sizes)")
     p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--count", action="store_true", help="count the work of a call instead of timing")
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.count:
+        counted = launch(count_rank, 2, sizes, min(args.calls, 100), backend="shm", log_level=logging.WARNING)[0]
+        print("float32 SUM, 2 ranks, shm: Python functions / C calls / bytecodes per call (rank 0)")
+        for (nbytes, name), (functions, c_calls, bytecodes) in counted.items():
+            print(f"  {human_size(nbytes):>6} {name:<24}{functions:5d} /{c_calls:4d} /{bytecodes:6d}")
+        return 0
     per_rank = launch(profile_rank, 2, sizes, args.calls, args.samples, backend="shm", log_level=logging.WARNING)
     for nbytes in sizes:
         print(f"{human_size(nbytes)} float32 SUM, 2 ranks, shm: µs per call (min / median; the slower rank)")

@@ -50,6 +50,7 @@ from typing import Callable, ContextManager, Iterable, Mapping, Protocol, Sequen
 import torch
 import torch.distributed as dist
 
+from .. import wire
 from ..errors import CollectiveError
 from ..ops import ReduceOp
 from ..tuning import Tuning
@@ -275,6 +276,17 @@ class SharedRegions(abc.ABC):
         in rank order and ``end_piece`` do, bitwise alike, and interoperates with peers running
         those (AVG folds as SUM: the caller divides). None where the transport has no kernel
         for this call; then the caller runs the algorithm itself."""
+        return None
+
+    def checked_one_shot(
+        self, name: str, numel: int, dtype: torch.dtype, op: ReduceOp, signature: int, header: wire.Header
+    ) -> Callable[[torch.Tensor], None] | None:
+        """Optional: :meth:`one_shot_kernel`'s ``run(buf)`` that also does what the transport's
+        :meth:`~Transport.operation` ``name`` does around it with ``header`` as
+        :func:`collectives.wire.current` (label, number, publish and compare the call), in one
+        call: for a planned call (:mod:`collectives.persistent`), whose header stays the same.
+        None where there is no such call; then the caller runs ``one_shot_kernel``'s or the
+        algorithm inside the operation."""
         return None
 
     def allocate(self, nbytes: int) -> list[torch.Tensor] | None:

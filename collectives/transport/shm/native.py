@@ -3,7 +3,7 @@
 A 4 KiB one-shot in Python is ~500 bytecodes of protocol (copy in, publish the step, wake,
 wait, compare signatures, fold, publish done) around two small torch calls; the same steps in
 C take one call of a small CPython extension module (DESIGN §3 has the numbers; a ``ctypes``
-call of one or two arguments alone cost 1-1.6 µs here, the module's of seven 0.06).
+call of one or two arguments alone cost 1-1.6 µs here, the module's of eight 0.06).
 ``oneshot.c`` implements exactly the steps of :func:`collectives.shm_algorithms._one_shot`
 over :class:`.regions.Regions`, on the same control words, so ranks running it and ranks
 running the Python path interoperate. Only
@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from ...ops import ReduceOp
-from .control import DONE, ON_DONE, ON_STEP, SEQ, SLEEPING, TAG
+from .control import CALL, DONE, ON_CALL, ON_DONE, ON_STEP, SEQ, SLEEPING, TAG
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Plan(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int64) for name in (
         "rank", "world", "dtype", "op", "nbytes", "numel",
-        "seq", "tag", "done", "sleeping", "on_step", "on_done")] + [
+        "seq", "tag", "done", "sleeping", "call", "on_step", "on_done", "on_call")] + [
         ("ctrl", ctypes.POINTER(ctypes.c_void_p)),
         ("half0", ctypes.POINTER(ctypes.c_void_p)),
         ("half1", ctypes.POINTER(ctypes.c_void_p)),
@@ -156,7 +156,7 @@ def plan(rank: int, world: int, dtype: torch.dtype, op: ReduceOp, numel: int,
         return None
     words = ctypes.c_void_p * world
     return Plan(rank, world, found[0], found[1], numel * dtype.itemsize, numel,
-                SEQ, TAG, DONE, SLEEPING, ON_STEP, ON_DONE,
+                SEQ, TAG, DONE, SLEEPING, CALL, ON_STEP, ON_DONE, ON_CALL,
                 words(*ctrl), words(*halves[0]), words(*halves[1]), (ctypes.c_int64 * world)(*fds))
 
 

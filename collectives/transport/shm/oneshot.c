@@ -1,7 +1,8 @@
 /* The one-shot all-reduce's shared-memory protocol in one call (see native.py).
  *
  * The same steps as collectives/shm_algorithms.py's _one_shot over regions.py's Regions:
- *   begin the piece (every peer done with piece g - 2), publish the signature, copy the input
+ *   publish the wire check's call number when asked (wirecheck.py's _publish, the header's
+ *   fields already there) and wake peers asleep on it, begin the piece (every peer done with piece g - 2), publish the signature, copy the input
  *   into this rank's half, publish the step, wake peers asleep on it, wait for every peer's
  *   step, compare their signatures, fold every rank's operand in rank order into the buffer,
  *   publish the piece done and wake peers asleep on that.
@@ -37,7 +38,8 @@ enum { SUM = 0, PRODUCT = 1, MIN = 2, MAX = 3 };
 
 typedef struct {
     int64_t rank, world, dtype, op, nbytes, numel;
-    int64_t seq, tag, done, sleeping, on_step, on_done;  /* control.py's word indices and events */
+    int64_t seq, tag, done, sleeping, call;              /* control.py's word indices */
+    int64_t on_step, on_done, on_call;                   /* and events */
     int64_t **ctrl;                                      /* [world]: each rank's control block */
     char **half0, **half1;                               /* [world]: each rank's two halves */
     int64_t *fds;                                        /* [world]: socket to each peer (-1: self) */
@@ -152,13 +154,17 @@ static int offers(int64_t dtype, int64_t op) {
 #define MAX_STACK_RANKS 64
 
 /* One-shot all-reduce of buf (p->numel elements) as piece g, step `step`, with `signature`;
- * a wait spins at most `spin` ns.
+ * a wait spins at most `spin` ns; `call` > 0: first publish it as the checked collective's number.
  * Returns 0 when done, else phase << 32 | peer: wait for that peer's DONE (PHASE_DONE) or
  * step (PHASE_STEP) and call again with that phase, or its signature differs (PHASE_MISMATCH). */
 static int64_t one_shot(const plan_t *p, char *buf, int64_t g, int64_t step, int64_t signature, int64_t phase,
-                       int64_t spin) {
+                       int64_t spin, int64_t call) {
     int64_t n = p->world, r = p->rank;
     char **half = (g & 1) ? p->half1 : p->half0;
+    if (phase == 0 && call > 0) {
+        __atomic_store_n(&p->ctrl[r][p->call], call, __ATOMIC_RELAXED);
+        wake(p, p->on_call);
+    }
     if (phase <= PHASE_DONE) {
         if (g >= 2) {
             for (int64_t q = 0; q < n; q++)
@@ -189,21 +195,21 @@ static int64_t one_shot(const plan_t *p, char *buf, int64_t g, int64_t step, int
 #define RELEASE_GIL_BYTES 65536
 
 static PyObject *py_one_shot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[7];
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "one_shot(plan, buf, g, step, signature, phase, spin): 7 integers");
+    int64_t v[8];
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "one_shot(plan, buf, g, step, signature, phase, spin, call): 8 integers");
         return NULL;
     }
-    for (int i = 0; i < 7; i++) v[i] = PyLong_AsLongLong(args[i]);
+    for (int i = 0; i < 8; i++) v[i] = PyLong_AsLongLong(args[i]);
     if (PyErr_Occurred()) return NULL;
     const plan_t *p = (const plan_t *)(intptr_t)v[0];
     int64_t reply;
     if (p->nbytes >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        reply = one_shot(p, (char *)(intptr_t)v[1], v[2], v[3], v[4], v[5], v[6]);
+        reply = one_shot(p, (char *)(intptr_t)v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
         Py_END_ALLOW_THREADS
     } else {
-        reply = one_shot(p, (char *)(intptr_t)v[1], v[2], v[3], v[4], v[5], v[6]);
+        reply = one_shot(p, (char *)(intptr_t)v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
     }
     return PyLong_FromLongLong(reply);
 }
@@ -220,7 +226,7 @@ static PyObject *py_offers(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 static PyMethodDef methods[] = {
     {"one_shot", (PyCFunction)(void (*)(void))py_one_shot, METH_FASTCALL,
-     "one_shot(plan, buf, g, step, signature, phase, spin) -> 0, or phase << 32 | peer"},
+     "one_shot(plan, buf, g, step, signature, phase, spin, call) -> 0, or phase << 32 | peer"},
     {"offers", (PyCFunction)(void (*)(void))py_offers, METH_FASTCALL, "offers(dtype, op) -> bool"},
     {NULL, NULL, 0, NULL},
 };

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from ... import wire
 from ...errors import CollectiveError
 from ...ops import ReduceOp
 from ..base import Peer, SharedRegions, Transport
@@ -163,14 +164,14 @@ class Regions(SharedRegions):
         at = ctypes.addressof(plan)
         ctrl, check, wait, busy_spin = self._ctrl, self._check, self._wait, self._waiter.busy_spin
 
-        def run(buf: torch.Tensor) -> None:
+        def run(buf: torch.Tensor, call: int = 0) -> None:
             if not self._halves:
                 raise CollectiveError(f"{self.op}: the shm transport is closed", op=self.op)
             g, step = self._pieces, self._step + 1
             self._step, self._half = step, g % 2
             self._signature = mine = signature ^ check.tag_base
             phase, spin = 0, int(busy_spin() * 1e9)
-            while reply := kernel(at, buf.data_ptr(), g, step, mine, phase, spin):
+            while reply := kernel(at, buf.data_ptr(), g, step, mine, phase, spin, call):
                 phase, q = reply >> 32, reply & 0xFFFFFFFF
                 theirs = ctrl[q]
                 if phase == native.WAIT_DONE:  # begin_piece's wait
@@ -184,6 +185,32 @@ class Regions(SharedRegions):
 
         run.plan = plan  # type: ignore[attr-defined]  # what the kernel reads (and the arrays it holds) lives as long
         return run
+
+    def checked_one_shot(
+        self, name: str, numel: int, dtype: torch.dtype, op: ReduceOp, signature: int, header: wire.Header
+    ) -> Callable[[torch.Tensor], None] | None:
+        """See :meth:`SharedRegions.checked_one_shot`: :meth:`one_shot_kernel`'s call as the
+        whole of :meth:`.transport.ShmTransport.operation`: the label, the wire check's number
+        (:meth:`.wirecheck.WireCheck.begin_native`: the kernel publishes it and wakes the peers
+        with its other wake-ups), the comparison of every peer's signature (the step's, which
+        makes ``confirm`` unnecessary) and, on an error, withdrawing what was published for
+        single-copy reads."""
+        run = self.one_shot_kernel(numel, dtype, op, signature)
+        if run is None:
+            return None
+        transport, begin, withdraw = self._transport, self._check.begin_native, self._single_copy.withdraw
+
+        def checked(buf: torch.Tensor) -> None:
+            previous, transport.op = transport.op, name
+            try:
+                run(buf, begin(header))
+            except BaseException:
+                withdraw()
+                raise
+            finally:
+                transport.op = previous
+
+        return checked
 
     def mismatch(self, peer: Peer, detail: str) -> CollectiveError:
         """See :meth:`SharedRegions.mismatch`: :meth:`.wirecheck.WireCheck.mismatch`."""

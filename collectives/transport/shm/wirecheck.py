@@ -80,6 +80,19 @@ class WireCheck:
         if self._wake is not None:
             self._publish()
 
+    def begin_native(self, header: wire.Header) -> int:
+        """:meth:`begin` of a checked collective run by a native kernel that publishes the
+        call's number and wakes the peers itself (:mod:`.native`): returns that number, or 0 when
+        it was published here (the header in shared memory is another: its fields change under
+        the seqlock first). Attached only."""
+        self.seq = seq = self.seq + 1
+        self.tag_base = header.tag_base(seq)
+        self._header = header
+        if header is self._published_header:
+            return seq
+        self._publish()
+        return 0
+
     def _publish(self) -> None:
         """Publish the header of the checked collective: byte counts and fields, then its number."""
         me, h = self.rank, self._header
