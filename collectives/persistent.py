@@ -19,7 +19,8 @@ one-shot with both halves' views of every region and its signature computed once
 (:func:`collectives.shm_algorithms.plan_all_reduce`); where the native kernel runs it, the
 transport's checked operation is part of that one call (the kernel publishes the call's number
 for the wire check: :meth:`collectives.transport.base.SharedRegions.checked_one_shot`), so a
-start is a few Python frames around one C call; elsewhere the engine chooses as in every call. Anything else (``async_op=True``, another thread, queued work, tracing, DETAIL checks)
+start is a few Python frames around one C call; elsewhere the engine chooses as in every call.
+Anything else (``async_op=True``, another thread, queued work, tracing, DETAIL checks)
 runs the ordinary :func:`collectives.all_reduce`, so a plan is never less checked or ordered
 than the call it stands for, and ranks may mix plans and ordinary calls freely: the wire
 header and the bits are the same.
