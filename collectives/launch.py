@@ -115,8 +115,10 @@ def _run_env_rank(fn, rank, size, args, backend, timeout, level) -> Any:
         destroy_process_group()
 
 
-#: modules a forkserver imports once, before it forks ranks: what every rank needs anyway.
-_PRELOAD = ["torch", "collectives"]
+#: modules a forkserver imports once, before it forks ranks: what every rank needs anyway
+#: (``torch._dynamo``: every ``torch.optim`` optimizer imports it when built, ~1.5 s of CPU a
+#: process that forked ranks, replacements and spares would each pay again).
+_PRELOAD = ["torch", "torch._dynamo", "collectives"]
 #: environment variable choosing how ranks start: ``forkserver`` (default) or ``spawn``.
 START_METHOD_VARIABLE = "RINGDDP_START_METHOD"
 
@@ -134,9 +136,10 @@ def start_process(target: Callable[..., Any], args: tuple, name: str) -> mp.proc
     """Start ``target(*args)`` in a new process, as every local rank starts.
 
     With ``forkserver`` (the default, see :func:`start_method`) a server process, started on
-    first use and preloaded with torch and collectives, forks each new process: it starts in
-    ~0.1 s instead of importing torch again (~2 s of CPU each, which on a loaded machine or with
-    more ranks than cores is the slowest part of a short job). The new process still gets what
+    first use and preloaded with torch (and ``torch._dynamo``, which optimizers import) and
+    collectives, forks each new process: it starts in ~0.1 s instead of importing torch again
+    (~2 s of CPU each, and ~1.5 s more to build an optimizer: on a loaded machine or with
+    more ranks than cores, the slowest part of a short job). The new process still gets what
     a spawned one gets: a fresh interpreter state for ``target``'s module, this process's
     environment and its stdout/stderr as of this call (not the server's, which are those of its
     first use), ``OMP_NUM_THREADS`` applied, NumPy's global RNG freshly seeded (Python's

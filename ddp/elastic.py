@@ -601,6 +601,8 @@ def _child(cfg: Config, port: int, slot: int | None, replacement: bool, conn) ->
     if not mp.parent_process().is_alive():  # the launcher died while this process was importing
         os._exit(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if not os.environ.get("OMP_NUM_THREADS"):  # share the cores: idle OpenMP threads spin, and slow the others' steps
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
     send = lambda *report: conn.send_bytes(pickle.dumps(report))  # noqa: E731 - by value, not torch's fd sharing
     ready = None
     try:
