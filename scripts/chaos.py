@@ -2,6 +2,7 @@
 
     python scripts/chaos.py --world-size 3 --steps 600 --events 20 --seed 0 [--zero 2]
     python scripts/chaos.py --world-size 2 --steps 4000 --events 30 --signals kill --spares 1   # recovery table
+    python scripts/chaos.py -n 2 --steps 70000 --events 13 --rounds 4 --spares 1 --heartbeat 0.5   # 10-minute soak
 
 Runs ``ddp.elastic.run`` twice on the synthetic job: once without failures (the reference and
 the failure-free time), once with ``--events`` signals (SIGKILL or SIGSTOP, to a random slot,
@@ -11,6 +12,13 @@ max), goodput (failure-free seconds / seconds with failures), and whether the fi
 and optimizer state are bitwise the reference's. Exits 1 if they are not. ``--spares K`` keeps K
 warm spares (the launcher then waits until they are ready again before the next signal, so each
 recovery is measured with a warm spare at hand); ``--signals kill`` sends SIGKILL only.
+
+On a machine shared with other work the step rate drifts by more than the failures cost (one
+soak measured 122 %: its failure-free run met more load than the run with failures).
+``--rounds R`` runs R pairs, alternating which of the two goes first (ABBA: a drift in load
+falls on both alike), each with ``--events`` signals at steps drawn afresh; goodput is then the
+sum of the failure-free times over the sum of the times with failures. Also printed: the time
+the members stood still (the recovery times summed), as a share of the time with failures.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import time
 
 import torch
 
+from collectives.launch import start_process
 from ddp import elastic
 
 
@@ -42,43 +51,61 @@ def main() -> int:
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the failure-free run (recovery times only: no goodput, no bitwise check)")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="0: DDP; 1, 2: ZeRO-1/2 with shard replicas")
+    p.add_argument("--rounds", type=int, default=1, help="pairs of runs, alternating which goes first (default 1)")
     a = p.parse_args()
-    if a.spares < 0:
-        p.error("--spares must be >= 0")
+    if a.spares < 0 or a.rounds < 1:
+        p.error("--spares must be >= 0 and --rounds >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     cfg = elastic.Config(job=elastic.SyntheticJob(steps=a.steps), world_size=a.world_size, backend=a.backend,
                          heartbeat=a.heartbeat, report_progress=True, spares=a.spares, zero=a.zero)
     kinds = {"kill": [signal.SIGKILL], "stop": [signal.SIGSTOP], "both": [signal.SIGKILL, signal.SIGSTOP]}[a.signals]
     rnd = random.Random(a.seed)
-    chaos = sorted((rnd.randrange(1, a.steps - 1), rnd.randrange(a.world_size), rnd.choice(kinds))
-                   for _ in range(a.events))
-    t = time.monotonic()
-    reference = elastic.run(dataclasses.replace(cfg, spares=0), join_timeout=3600) if a.reference else None
-    clean = time.monotonic() - t
-    t = time.monotonic()
-    out = elastic.run(cfg, chaos, join_timeout=3600)
-    chaotic = time.monotonic() - t
-    for e in out.events:
-        print(e)
-    sent = sum(" sent " in e for e in out.events)
-    r = sorted(out.recovery_seconds)
+    start_process(int, (), "ringddp-warm-up").join()  # the forkserver imports torch now, outside any timed run
+    clean = chaotic = 0.0
+    recovery: list[float] = []
+    sent = replaced = 0
+    same = True
+    for r in range(a.rounds):
+        chaos = sorted((rnd.randrange(1, a.steps - 1), rnd.randrange(a.world_size), rnd.choice(kinds))
+                       for _ in range(a.events))
+        runs: dict[str, tuple[float, elastic.Outcome]] = {}
+        for name in ("reference", "chaos")[:: -1 if r % 2 else 1]:
+            if name == "reference" and not a.reference:
+                continue
+            t = time.monotonic()
+            run_cfg, signals = (dataclasses.replace(cfg, spares=0), []) if name == "reference" else (cfg, chaos)
+            outcome = elastic.run(run_cfg, signals, join_timeout=3600)
+            runs[name] = time.monotonic() - t, outcome
+        seconds, out = runs["chaos"]
+        for e in out.events:
+            print(e)
+        round_sent = sum(" sent " in e for e in out.events)
+        sent, replaced, chaotic = sent + round_sent, replaced + out.recoveries, chaotic + seconds
+        recovery += out.recovery_seconds
+        line = f"round {r + 1}: {a.steps} steps, {a.world_size} members, {a.spares} spares: {seconds:.1f}s with {round_sent} of {len(chaos)} signals sent"
+        if "reference" in runs:
+            clean += runs["reference"][0]
+            ref, got = runs["reference"][1].reports[0], out.reports[0]
+            same_here = all(torch.equal(ref["state"][k], got["state"][k]) for k in ref["state"]) and all(
+                torch.equal(ref["optimizer"]["state"][i]["momentum_buffer"], got["optimizer"]["state"][i]["momentum_buffer"])
+                for i in ref["optimizer"]["state"])
+            same = same and same_here
+            line += f"; {runs['reference'][0]:.1f}s without failures; final state bitwise the reference's: {same_here}"
+        print(line, flush=True)
+    r = sorted(recovery)
     if r:
         p99 = r[min(len(r) - 1, round(0.99 * (len(r) - 1)))]
-        print(f"recovery over {len(r)} signals: p50 {statistics.median(r):.2f}s, p99 {p99:.2f}s, max {r[-1]:.2f}s")
+        print(f"recovery over {len(r)} signals: p50 {statistics.median(r):.2f}s, p99 {p99:.2f}s, max {r[-1]:.2f}s; "
+              f"members stood still {sum(r):.1f}s, {100 * sum(r) / chaotic:.1f} % of the time with failures")
         print("recovery seconds:", " ".join(f"{x:.3f}" for x in r))
-    if reference is None:
-        print(f"{a.steps} steps, {a.world_size} members, {a.spares} spares: {chaotic:.1f}s with {sent} of {len(chaos)} "
-              f"signals sent ({out.recoveries} members replaced)")
+    summary = (f"{a.rounds} x {a.steps} steps, {a.world_size} members, {a.spares} spares: {chaotic:.1f}s with {sent} signals "
+               f"sent ({replaced} members replaced)")
+    if not a.reference:
+        print(summary)
         return 0
-    ref, got = reference.reports[0], out.reports[0]
-    same = all(torch.equal(ref["state"][k], got["state"][k]) for k in ref["state"]) and all(
-        torch.equal(ref["optimizer"]["state"][i]["momentum_buffer"], got["optimizer"]["state"][i]["momentum_buffer"])
-        for i in ref["optimizer"]["state"])
-    print(f"{a.steps} steps, {a.world_size} members, {a.spares} spares: {clean:.1f}s without failures, {chaotic:.1f}s with {sent} of {len(chaos)} "
-          f"signals sent ({out.recoveries} members replaced); goodput {100 * clean / chaotic:.0f}%; "
+    print(f"{summary}, {clean:.1f}s without failures; goodput {100 * clean / chaotic:.0f}%; "
           f"final state bitwise the reference's: {same}")
     return 0 if same else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
