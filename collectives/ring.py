@@ -57,7 +57,7 @@ import torch
 
 from .buffers import Workspace
 from .ops import ReduceOp, combine, finish
-from .transport.base import Request, Transport, wait_all
+from .transport.base import Request, Transport
 
 
 def balanced_bounds(numel: int, parts: int) -> list[int]:
@@ -120,7 +120,8 @@ def _pipeline(
                 )
             )
         if m >= lag:
-            wait_all(in_flight.popleft())
+            for request in in_flight.popleft():  # wait_all, without its call: a ring's hot loop
+                request.wait()
             arrived(m - lag)
 
 
@@ -168,14 +169,6 @@ def _ring(
     slots: dict[tuple[int, int], torch.Tensor] = {}  # (slot, elements): its staging view
     landing: collections.deque[tuple[torch.Tensor, torch.Tensor, bool] | None] = collections.deque()
 
-    def view(c: int, j: int) -> torch.Tensor | None:
-        key = c * k + j
-        piece = cache.get(key, buf)  # buf: not cut yet (None is an empty segment's view)
-        if piece is buf:
-            lo, hi = segs[c][j]
-            piece = cache[key] = buf[lo:hi] if hi > lo else None
-        return piece
-
     def message(m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(segment sent, buffer received into) by message ``m``: chunk ``(r - s - 1) % n`` goes
         and ``(r - s - 2) % n`` comes at reduce-scatter step ``s``, ``(r - s) % n`` and
@@ -184,11 +177,14 @@ def _ring(
         reducing = s < reduce_steps
         sent = (r - s - 1) % n if reducing else (r - s + reduce_steps) % n
         got = (sent - 1) % n
-        out = cache.pop(sent * k + j, buf)  # sent on: no later message of this call touches it
-        if out is buf:
+        out = cache.pop(sent * k + j, buf)  # buf: not cut yet (None is an empty segment's view)
+        if out is buf:  # sent on: no later message of this call touches it
             lo, hi = segs[sent][j]
             out = buf[lo:hi] if hi > lo else None
-        piece = view(got, j)
+        piece = cache.get(got * k + j, buf)  # kept until message m + k sends it on
+        if piece is buf:
+            lo, hi = segs[got][j]
+            piece = cache[got * k + j] = buf[lo:hi] if hi > lo else None
         if not reducing or piece is None:
             landing.append(None)
             return out, piece if not reducing else None

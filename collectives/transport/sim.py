@@ -528,15 +528,17 @@ class Simulation:
         the clock moves on (:meth:`_settle`)."""
         now = self.now
         on, lone = self._on, self._lone
-        shared = False
         for link, _ in links:
             note = lone[link]
             if note is not None and note[0] > now:  # a lone flow still on the wire: now it shares
                 self._share(note)
-            sharing = on.get(link)
-            if sharing:
-                self._drop_ended(sharing)
-                shared = shared or bool(sharing)
+        shared = False
+        if on:  # some flows have shared links (never, in a ring)
+            for link, _ in links:
+                sharing = on.get(link)
+                if sharing:
+                    self._drop_ended(sharing)
+                    shared = shared or bool(sharing)
         if not shared:
             end = now + size * beta
             send.done_at = end + alpha
