@@ -57,8 +57,10 @@ Links and sharing
     A rank's work at one instant (its posts) is settled once, before the clock moves on: the
     rates of every component touched at that instant are recomputed then, so a rank posting
     ``n`` sends at once costs one recomputation, not ``n``. A flow alone on its links is not
-    rated and has no event: its end is ``t + Sβ`` unless another flow joins in time, and its
-    links drop it when the next flow comes (a ring: no event and no recomputation at all).
+    rated and has no event, nor even a flow object: it is a *note* on its links (its end
+    ``t + Sβ``, and what it would need to become a flow), which a flow that joins before that end
+    turns into a flow sharing the links, and one that comes later finds stale (a ring: no
+    flow, event or recomputation at all).
 
 Deadlock and failure
     When no rank can run and no flow is in progress (both heaps are empty) but some ranks wait, no message they wait for can ever
@@ -272,7 +274,7 @@ class Simulation:
         self._recvs: dict[int, list[SimRequest]] = {}
         self._anys: dict[int, _AnyWait] = {}  # per rank: its any-source wait in progress (wait_any)
         self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...]]] = {}  # per pair src*n+dst
-        # (links with β = 0 never limit a flow: left out)
+        # (links with β = 0 never limit a flow: left out; all of them without contention)
         self._running: _Task | None = None
         self._hub: Any = None
 
@@ -442,12 +444,13 @@ class Simulation:
         self.messages += 1
         key = src * self.world_size + dst
         route = self._routes.get(key)
-        if route is None:
+        if route is None:  # the links a flow shares: none without contention or a path's β
             alpha, beta, links = self.fabric.route(src, dst)
-            route = self._routes[key] = (alpha, beta, tuple((link, b) for link, b in links if b > 0))
+            shared = tuple((link, b) for link, b in links if b > 0) if beta and self.contention else ()
+            route = self._routes[key] = (alpha, beta, shared)
         alpha, beta, links = route
         size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
-        if size and beta and self.contention and links:
+        if size and links:
             self._start(req, links, beta, alpha, size)
         else:  # nothing to share: the closed form
             req.done_at = self.now + alpha + size * beta
