@@ -7,7 +7,10 @@ This module measures them and checks the formulas against the clock:
 * :func:`ping_pong` times round trips between two ranks at several sizes; one way is half the
   fastest round trip (the minimum filters out the scheduling noise of a busy host, which only
   ever adds time). :func:`exchange` times both ranks of a pair sending at once, as a ring step
-  does, on every host at the same time.
+  does, on every host at the same time. Each keeps the median too: :func:`measure` fits both,
+  the fastest (what the links can do: ``predict``, ``tuning``) and the *typical* (``*_median``
+  links: what a call on a busy host meets, the scheduling noise included; ``python -m
+  collectives.sim validate --fits median`` simulates with these).
 * :func:`copy_times` times an all-gather over a host's shared regions, in which every rank
   copies the gathered bytes once: its fit is the ``shm`` link, ``α`` one synchronisation and
   ``β`` the seconds per byte *copied*, the unit of the shared-memory algorithms' costs.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from typing import Sequence
 
@@ -37,6 +41,13 @@ from .transport.base import SharedRegions, Transport, wait_all
 from .tuning import Tuning
 
 PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+#: ``(bytes, fastest seconds, median seconds)`` of one size
+Sample = tuple[int, float, float]
+
+
+def _sample(nbytes: int, times: Sequence[float], scale: float = 1.0) -> Sample:
+    return nbytes, min(times) * scale, statistics.median(times) * scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +67,10 @@ class Link:
 
 def ping_pong(
     transport: Transport, a: int, b: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
-) -> list[tuple[int, float]]:
-    """One-way times ``[(bytes, seconds)]`` between ranks ``a`` and ``b`` (others return ``[]``).
+) -> list[Sample]:
+    """One-way times ``[(bytes, fastest, median)]`` between ranks ``a`` and ``b`` (others return ``[]``).
 
-    Rank ``a`` sends, ``b`` echoes; one way = fastest round trip / 2 after one warm-up.
+    Rank ``a`` sends, ``b`` echoes; one way = the round trip / 2, of ``iters`` after one warm-up.
     """
     r = transport.rank
     if r not in (a, b) or a == b:
@@ -79,18 +90,18 @@ def ping_pong(
                 transport.send(buf, peer)
             if i:
                 trips.append(time.perf_counter() - start)
-        samples.append((nbytes, min(trips) / 2))
+        samples.append(_sample(nbytes, trips, 0.5))
     return samples
 
 
 def exchange(
     transport: Transport, partner: int | None, sizes: Sequence[int] = PING_SIZES, iters: int = 10
-) -> list[tuple[int, float]]:
-    """Times ``[(bytes, seconds)]`` of swapping ``S`` bytes with ``partner`` (``[]`` without one).
+) -> list[Sample]:
+    """Times ``[(bytes, fastest, median)]`` of swapping ``S`` bytes with ``partner`` (``[]`` without one).
 
     Both sides send and receive at once, as in a ring step; when every host's pair runs this at
     the same moment, the fit includes what the pairs cost each other (shared cores and memory:
-    all emulated hosts of one machine share its CPUs). Fastest of ``iters`` after one warm-up.
+    all emulated hosts of one machine share its CPUs). Of ``iters`` after one warm-up.
     """
     if partner is None:
         return []
@@ -103,16 +114,16 @@ def exchange(
             wait_all(transport.post(sends=[(out, partner)], recvs=[(inc, partner)]))
             if i:
                 steps.append(time.perf_counter() - start)
-        samples.append((nbytes, min(steps)))
+        samples.append(_sample(nbytes, steps))
     return samples
 
 
-def copy_times(regions: SharedRegions, sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[tuple[int, float]]:
-    """Times ``[(bytes, seconds)]`` of an all-gather of ``S`` bytes in all over shared regions.
+def copy_times(regions: SharedRegions, sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[Sample]:
+    """Times ``[(bytes, fastest, median)]`` of an all-gather of ``S`` bytes in all over shared regions.
 
     Every rank copies its ``S / L`` bytes into its region, synchronises once and copies the
     other ``(L - 1)/L · S`` out: ``S`` bytes copied per rank, every rank of the host at once (as in
-    a hierarchical collective's intra-host phase). Fastest of ``iters`` after one warm-up.
+    a hierarchical collective's intra-host phase). Of ``iters`` after one warm-up.
     """
     samples = []
     for nbytes in sizes:
@@ -125,7 +136,7 @@ def copy_times(regions: SharedRegions, sizes: Sequence[int] = PING_SIZES, iters:
             shm_algorithms.all_gather(regions, outs, inp)
             if i:
                 times.append(time.perf_counter() - start)
-        samples.append((m * regions.world_size, min(times)))
+        samples.append(_sample(m * regions.world_size, times))
     return samples
 
 
@@ -147,9 +158,9 @@ def fit(samples: Sequence[tuple[int, float]]) -> Link:
     return Link(max(0.0, float(times[small] - beta * sizes[small])), beta)
 
 
-def reduce_times(sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[tuple[int, float]]:
-    """Times ``[(bytes, seconds)]`` of one float32 sum of ``S`` bytes into its first operand (what
-    a reduction step of an algorithm does: :func:`~collectives.ops.combine`), fastest of
+def reduce_times(sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[Sample]:
+    """Times ``[(bytes, fastest, median)]`` of one float32 sum of ``S`` bytes into its first
+    operand (what a reduction step of an algorithm does: :func:`~collectives.ops.combine`), of
     ``iters`` after one warm-up. Its fit is the ``reduce`` link: ``β`` seconds per byte combined."""
     samples = []
     for nbytes in sizes:
@@ -160,12 +171,15 @@ def reduce_times(sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[tup
             combine(ReduceOp.SUM, a, b, out=a)
             if i:
                 times.append(time.perf_counter() - start)
-        samples.append((a.numel() * 4, min(times)))
+        samples.append(_sample(a.numel() * 4, times))
     return samples
 
 
-#: the links :func:`measure` fits, in the order of its numbers
-LINK_KINDS = ("net", "local", "shm", "duplex", "reduce")
+#: the links :func:`measure` fits from the fastest of its repetitions
+FASTEST_KINDS = ("net", "local", "shm", "duplex", "reduce")
+#: every link :func:`measure` fits, in the order of its numbers: each kind from the fastest
+#: repetitions, then each from the medians (``net_median``, ...: the typical message)
+LINK_KINDS = FASTEST_KINDS + tuple(f"{kind}_median" for kind in FASTEST_KINDS)
 
 
 def measure(
@@ -185,16 +199,22 @@ def measure(
     :func:`copy_times` on their shared ``regions`` (this rank's host's; the hierarchical
     algorithms' intra-host transport) at once; rank 0's host's fit is used. ``reduce``: every
     rank times :func:`reduce_times` at once (ranks share the cores); rank 0's fit. Rank 0 fits
-    and sends the numbers to all, so every rank returns the same links.
+    and sends the numbers to all, so every rank returns the same links. Each kind is fitted twice:
+    from the fastest repetition of each size (``net``, ...) and from the medians (``net_median``,
+    ...; the module docstring).
     """
     r = transport.rank
     fits = torch.full((2 * len(LINK_KINDS),), math.nan, dtype=torch.float64)
-    fits[:4] = 0.0
+    for kind in ("net", "local", "net_median", "local_median"):
+        at = 2 * LINK_KINDS.index(kind)
+        fits[at : at + 2] = 0.0
 
-    def keep(kind: str, samples: list[tuple[int, float]]) -> None:
+    def keep(kind: str, samples: list[Sample]) -> None:
         if r == 0:
-            at = 2 * LINK_KINDS.index(kind)
-            fits[at : at + 2] = torch.tensor(dataclasses.astuple(fit(samples)), dtype=torch.float64)
+            for name, column in ((kind, 1), (f"{kind}_median", 2)):
+                at = 2 * LINK_KINDS.index(name)
+                link = fit([(sample[0], sample[column]) for sample in samples])
+                fits[at : at + 2] = torch.tensor(dataclasses.astuple(link), dtype=torch.float64)
 
     if layout.spans_hosts:
         keep("net", ping_pong(transport, 0, layout.hosts[1][0], sizes))
@@ -212,14 +232,15 @@ def measure(
     else:
         transport.recv(fits, 0)
     found = {kind: Link(*fits[2 * i : 2 * i + 2].tolist()) for i, kind in enumerate(LINK_KINDS)}
-    links = {
-        "net": found["net"] if layout.spans_hosts else found["local"],
-        "local": found["local"] if len(layout.hosts[0]) > 1 else found["net"],
-        "reduce": found["reduce"],
-    }
-    for kind in ("shm", "duplex"):
-        if not math.isnan(found[kind].alpha):
-            links[kind] = found[kind]
+    links = {}
+    for suffix in ("", "_median"):
+        net, local = found[f"net{suffix}"], found[f"local{suffix}"]
+        links[f"net{suffix}"] = net if layout.spans_hosts else local
+        links[f"local{suffix}"] = local if len(layout.hosts[0]) > 1 else net
+        links[f"reduce{suffix}"] = found[f"reduce{suffix}"]
+        for kind in ("shm", "duplex"):
+            if not math.isnan(found[f"{kind}{suffix}"].alpha):
+                links[f"{kind}{suffix}"] = found[f"{kind}{suffix}"]
     return links
 
 

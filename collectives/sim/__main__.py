@@ -209,7 +209,8 @@ def validate(args: argparse.Namespace) -> None:
     picks the same algorithms and segments), between hosts its ``net`` link, inside a host
     :func:`intra_from_shm` of its ``shm`` link where it has one (else ``local``; ``--intra
     local`` forces it), and its ``reduce`` link's β for every reduction
-    (``Simulation(reduce_beta=...)``; ``--free-reductions``: none)."""
+    (``Simulation(reduce_beta=...)``; ``--free-reductions``: none): each fitted from the fastest
+    repetitions, or with ``--fits median`` from the medians (:func:`collectives.costmodel.measure`)."""
     ratios: dict[tuple[str, int, int], list[float]] = {}
     loads: list[float] = []
     for path in args.bench:
@@ -229,13 +230,19 @@ def _validate_run(path: str, args: argparse.Namespace) -> list[tuple[tuple[str, 
     """One run of :func:`validate`: its rows printed; ``((op, n, bytes), simulated / measured)`` per row."""
     with open(path) as f:
         rows = json.load(f)
-    links = links_from_bench(path)
+    fitted = links_from_bench(path)
+    fits = args.fits
+    if fits == "median" and "net_median" not in fitted:
+        raise SystemExit(f"{path}: no median fits (net_median_alpha...): a run from before they were recorded")
+    suffix = "_median" if fits == "median" else ""
+    links = {kind: fitted[kind + suffix] for kind in ("net", "local", "shm", "reduce") if kind + suffix in fitted}
     if args.intra == "shm" and "shm" in links:
         intra = intra_from_shm(links["shm"])
     else:
         intra = links.get("local", DEFAULT_INTRA)
     reduce_beta = links["reduce"].beta if "reduce" in links and not args.free_reductions else 0.0
-    print(f"# {path}: inter {links.get('net', DEFAULT_INTER)}; intra {intra}; reductions {reduce_beta * 1e9:.3f} ns/B")
+    print(f"# {path} ({fits} fits): inter {links.get('net', DEFAULT_INTER)}; intra {intra}; "
+          f"reductions {reduce_beta * 1e9:.3f} ns/B")
     loads = [row["load_average"] for row in rows if "load_average" in row]
     if loads:  # the measured times drift with the machine's load (docs/DESIGN.md §11)
         print(f"# load average (1 min) at the measured rows: {min(loads):.1f}-{max(loads):.1f}")
@@ -297,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="intra-host link: from the shared-memory fit (default, what the run's hierarchical phases use) "
                         "or the transport's loopback fit")
     v.add_argument("--free-reductions", action="store_true", help="reductions take no virtual time")
+    v.add_argument("--fits", choices=("fastest", "median"), default="fastest",
+                   help="links fitted from the fastest of each size's repetitions (default: what the links can do) "
+                        "or from the medians (the typical message on the loaded machine: docs/DESIGN.md §11 "
+                        "measured both)")
     v.set_defaults(fn=validate)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):

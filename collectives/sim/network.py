@@ -152,8 +152,8 @@ class Network:
 
 def links_from_bench(path: str) -> dict[str, Link]:
     """The fitted links in a ``collectives.bench --model --json`` file: ``{"net": ..., "local": ...}``
-    and, from runs that fitted them, ``"shm"``, ``"duplex"`` and ``"reduce"``
-    (:func:`collectives.costmodel.measure`). Use them as :attr:`Network.inter` /
+    and, from runs that fitted them, ``"shm"``, ``"duplex"`` and ``"reduce"``, and each kind's
+    fit from medians, ``"net_median"``, ... (:func:`collectives.costmodel.measure`). Use them as :attr:`Network.inter` /
     :attr:`Network.intra`: "this machine's links, at 1,024 ranks"."""
     with open(path) as f:
         rows: Any = json.load(f)

@@ -57,8 +57,10 @@ Links and sharing
     A rank's work at one instant (its posts) is settled once, before the clock moves on: the
     rates of every component touched at that instant are recomputed then, so a rank posting
     ``n`` sends at once costs one recomputation, not ``n``. A flow alone on its links is not
-    rated and has no event: its end is ``t + Sβ`` unless another flow joins in time, and its
-    links drop it when the next flow comes (a ring: no event and no recomputation at all).
+    rated and has no event, nor even a flow object: it is a *note* on its links (its end
+    ``t + Sβ``, and what it would need to become a flow), which a flow that joins before that end
+    turns into a flow sharing the links, and one that comes later finds stale (a ring: no
+    flow, event or recomputation at all).
 
 Deadlock and failure
     When no rank can run and no flow is in progress (both heaps are empty) but some ranks wait, no message they wait for can ever
@@ -257,16 +259,22 @@ class Simulation:
         self._at: dict[float, collections.deque[tuple[int, _Task]]] = {}
         self._flows: list[tuple[float, int, _Flow]] = []  # predicted ends (stale ones are skipped)
         self._on: dict[int, dict[_Flow, None]] = {}  # per busy link: its flows, in starting order
+        # per link: the note of the flow alone there, (end, send, links, β, α, bytes), or None
+        # (stale once its end has passed: :meth:`_start`)
+        self._lone: list[tuple[float, SimRequest, tuple[tuple[int, float], ...], float, float, float] | None] = (
+            [None] * fabric.link_count
+        )
         self._dirty: list[_Flow] = []  # flows whose rates must be recomputed before the clock moves
         self._stamps = itertools.count(1)
         self._seq = itertools.count()
         self._pairs = self.world_size * self.world_size
-        # per channel and pair, channel*n*n + src*n + dst: unmatched sends, oldest first
-        self._sends: dict[int, collections.deque[SimRequest]] = {}
-        self._recvs: dict[int, collections.deque[SimRequest]] = {}
+        # per channel and pair, channel*n*n + src*n + dst: unmatched sends, oldest first (short
+        # lists: a pair's queue is made and dropped with nearly every message)
+        self._sends: dict[int, list[SimRequest]] = {}
+        self._recvs: dict[int, list[SimRequest]] = {}
         self._anys: dict[int, _AnyWait] = {}  # per rank: its any-source wait in progress (wait_any)
         self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...]]] = {}  # per pair src*n+dst
-        # (links with β = 0 never limit a flow: left out)
+        # (links with β = 0 never limit a flow: left out; all of them without contention)
         self._running: _Task | None = None
         self._hub: Any = None
 
@@ -337,6 +345,7 @@ class Simulation:
             self._at.clear()
             self._flows.clear()
             self._on.clear()
+            self._lone = [None] * len(self._lone)
             self._dirty.clear()
             self._sends.clear()
             self._recvs.clear()
@@ -435,20 +444,21 @@ class Simulation:
         self.messages += 1
         key = src * self.world_size + dst
         route = self._routes.get(key)
-        if route is None:
+        if route is None:  # the links a flow shares: none without contention or a path's β
             alpha, beta, links = self.fabric.route(src, dst)
-            route = self._routes[key] = (alpha, beta, tuple((link, b) for link, b in links if b > 0))
+            shared = tuple((link, b) for link, b in links if b > 0) if beta and self.contention else ()
+            route = self._routes[key] = (alpha, beta, shared)
         alpha, beta, links = route
         size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
-        if size and beta and self.contention and links:
+        if size and links:
             self._start(req, links, beta, alpha, size)
         else:  # nothing to share: the closed form
             req.done_at = self.now + alpha + size * beta
         if channel:
             key += channel * self._pairs
         waiting = self._recvs.get(key)
-        if waiting:
-            recv = waiting.popleft()
+        if waiting is not None:
+            recv = waiting.pop(0)
             if not waiting:
                 del self._recvs[key]
             self._deliver(req, recv)
@@ -456,8 +466,9 @@ class Simulation:
             req.held = True
             queue = self._sends.get(key)
             if queue is None:
-                queue = self._sends[key] = collections.deque()
-            queue.append(req)
+                self._sends[key] = [req]
+            else:
+                queue.append(req)
             if self._anys and dst in self._anys:  # a new candidate for dst's any-source wait
                 self._wake(self._anys[dst].task, self.now)
         return req
@@ -467,16 +478,17 @@ class Simulation:
         req = SimRequest(self, True, dst, src, tensor, op)
         key = src * self.world_size + dst + channel * self._pairs
         queued = self._sends.get(key)
-        if queued:
-            send = queued.popleft()
+        if queued is not None:
+            send = queued.pop(0)
             if not queued:
                 del self._sends[key]
             self._deliver(send, req)
         else:
             queue = self._recvs.get(key)
             if queue is None:
-                queue = self._recvs[key] = collections.deque()
-            queue.append(req)
+                self._recvs[key] = [req]
+            else:
+                queue.append(req)
         return req
 
     def _deliver(self, send: SimRequest, recv: SimRequest) -> None:
@@ -496,8 +508,11 @@ class Simulation:
         if self.copy and send.nbytes:
             recv.tensor.copy_(send.tensor)
         send.match = recv
-        if send.done_at is not None:
-            self._arrive(recv, send.done_at)
+        arrival = send.done_at
+        if arrival is not None:  # as _arrive does (one call less per message)
+            recv.done_at = done = arrival if arrival > recv.posted else recv.posted
+            if recv.waiter is not None:
+                self._wake(recv.waiter, done)
 
     def _arrive(self, recv: SimRequest, arrival: float) -> None:
         """Complete ``recv`` at ``max(arrival, its posting)``; wake its rank then if it waits."""
@@ -509,29 +524,52 @@ class Simulation:
 
     def _start(self, send: SimRequest, links: tuple[tuple[int, float], ...], beta: float, alpha: float, size: float) -> None:
         """Put ``send``'s flow of ``size`` bytes on ``links``. Alone there, it runs at its path's
-        full rate and ends ``size·β`` from now, the closed form, with no event of its own (no
-        other flow waits for it to leave; its links drop it when the next flow comes, if it
-        has ended by then); else its component's rates are recomputed before the clock moves
-        on (:meth:`_settle`)."""
+        full rate and ends ``size·β`` from now, the closed form: it is only *noted* on its links
+        (``_lone``: its end and what :meth:`_share` needs), with no :class:`_Flow`, no rate and
+        no event; a flow that comes while it is still on the wire makes it a :class:`_Flow`, one
+        that comes later finds the note stale. Else its component's rates are recomputed before
+        the clock moves on (:meth:`_settle`)."""
         now = self.now
+        on, lone = self._on, self._lone
+        for link, _ in links:
+            note = lone[link]
+            if note is not None and note[0] > now:  # a lone flow still on the wire: now it shares
+                self._share(note)
+        shared = False
+        if on:  # some flows have shared links (never, in a ring)
+            for link, _ in links:
+                sharing = on.get(link)
+                if sharing:
+                    self._drop_ended(sharing)
+                    shared = shared or bool(sharing)
+        if not shared:
+            end = now + size * beta
+            send.done_at = end + alpha
+            note = (end, send, links, beta, alpha, size)
+            for link, _ in links:
+                lone[link] = note
+            return
         flow = _Flow(send, links, beta, alpha, size, now)
-        on = self._on
-        alone = True
         for link, _ in links:
             sharing = on.get(link)
             if sharing is None:
-                on[link] = {flow: None}
-                continue
-            if sharing:
-                self._drop_ended(sharing)
-                alone = alone and not sharing
+                sharing = on[link] = {}
             sharing[flow] = None
-        if alone:
-            flow.rate = 1.0 / beta
-            flow.end = end = now + size * beta
-            send.done_at = end + alpha
-        else:
-            self._dirty.append(flow)
+        self._dirty.append(flow)
+
+    def _share(self, note: tuple[float, SimRequest, tuple[tuple[int, float], ...], float, float, float]) -> None:
+        """A lone flow (its note, :meth:`_start`) meets another: make it the :class:`_Flow` it
+        stood for (posted at its send's posting, at its path's full rate) on each of its links."""
+        end, send, links, beta, alpha, size = note
+        flow = _Flow(send, links, beta, alpha, size, send.posted)
+        flow.rate, flow.end = 1.0 / beta, end
+        on, lone = self._on, self._lone
+        for link, _ in links:
+            lone[link] = None
+            sharing = on.get(link)
+            if sharing is None:
+                sharing = on[link] = {}
+            sharing[flow] = None
 
     def _drop_ended(self, sharing: dict[_Flow, None]) -> None:
         """Take the flows on a link that have ended by now off their links (lone ones have no
@@ -655,7 +693,12 @@ class Simulation:
             if (not times or times[0] > done) and (not flows or flows[0][0] > done):
                 self.now = done  # nothing happens before: no flow can join ours
                 return
-            self._wake(task, done)
+            task.due = seq = next(self._seq)  # as _wake does (one call less per message)
+            bucket = self._at.get(done)
+            if bucket is None:
+                bucket = self._at[done] = collections.deque()
+                heapq.heappush(times, done)
+            bucket.append((seq, task))
         req.waiter = task  # a receive whose message is not sent yet: its sender wakes us
         task.waiting_on = req
         try:

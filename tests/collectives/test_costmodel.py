@@ -70,4 +70,6 @@ def test_bench_prints_the_model_next_to_each_row(tmp_path, capsys):
     assert bench.main(argv) == 0
     rows = json.loads(out.read_text())
     assert [r["algorithm"] for r in rows] == ["ring", "ring"] and all(r["model_us"] > 0 for r in rows)
+    # every link fitted twice: from the fastest repetitions and from the medians (sim validate's)
+    assert all(rows[0][f"{kind}_beta"] >= 0 for kind in ("net", "net_median", "reduce", "reduce_median"))
     assert "model us" in capsys.readouterr().out

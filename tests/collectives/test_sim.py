@@ -507,6 +507,11 @@ def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, 
     simulated = 6 * (1e-4 + (1 << 20) / 4 * 8e-9) * 1e6  # 4 hosts of one rank: a ring over the net link
     out = capsys.readouterr().out
     assert f"{simulated:.0f}" in out and "load average (1 min) at the measured rows: 3.5-7.2" in out
+    # --fits median: the links fitted from the medians of each size's repetitions
+    path.write_text(json.dumps([dict(row, net_median_alpha=2e-4, net_median_beta=9e-9)]))
+    main(["validate", str(path), "--hosts", "4", "--fits", "median"])
+    assert f"{6 * (2e-4 + (1 << 20) / 4 * 9e-9) * 1e6:.0f}" in capsys.readouterr().out
+    path.write_text(json.dumps([row, dict(row, load_average=3.5), dict(row, load_average=7.25)]))
     main(["validate", str(path), str(path), "--hosts", "4"])  # several runs: the median and range per row
     ratio = simulated / 1000.0
     assert f"all_reduce    4     4      1M  {ratio:.2f} ({ratio:.2f}-{ratio:.2f} of 6)" in capsys.readouterr().out
