@@ -24,7 +24,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import debug, validate
+from . import debug, validate, wire
+from .engine import Engine
 from .group import Group, NonMember, get_group, member
 from .ops import ReduceOp, check_op_dtype
 from .tuning import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
@@ -117,6 +118,11 @@ def all_reduce(
     ``2(n-1)α + 2(n-1)/n·Sβ``), ``"recursive_doubling"`` (latency-optimal, ``log2(n)(α + Sβ)``),
     or ``"auto"`` (by size). A sparse COO ``tensor`` is summed as gloo sums it
     (:func:`_all_reduce_sparse`).
+
+    A synchronous ``auto`` call of a contiguous tensor whose shape (device, dtype, element
+    count, op, checking level, tuning) ran before takes that shape's planned path
+    (:func:`_plan`): what a persistent start runs, the queue's order, the wire check and the
+    errors included.
     """
     name = "all_reduce"
     op = op if type(op) is ReduceOp else ReduceOp.coerce(op)
@@ -125,6 +131,11 @@ def all_reduce(
     validate.tensor(tensor, name)
     if (g := member(group, name)) is None:
         return None
+    start, planned = None, async_op is False and algorithm == "auto" and tensor.is_contiguous()
+    if planned:  # the checks below depend on the key only: a planned key passed them (_plan)
+        key = (tensor.device, tensor.dtype, tensor.numel(), op, debug.level(), g.tuning.key())
+        if (start := g.plans.get(key, False)) and start(tensor):
+            return None
     check_op_dtype(op, tensor.dtype, name)
     if algorithm != "auto":
         _check_algorithm(algorithm, ALL_REDUCE_ALGORITHMS, name)
@@ -138,7 +149,37 @@ def all_reduce(
         with _flat(tensor) as buf, engine.transport_op(name):
             engine.all_reduce(buf, op, algorithm)
 
-    return g.submit(name, run, async_op, debug.signature(name, tensor, op), [tensor], algorithm=algorithm)
+    signature = debug.signature(name, tensor, op)
+    work = g.submit(name, run, async_op, signature, [tensor], algorithm=algorithm)
+    if start is False:  # the first call of its shape: the transport is set up now
+        _plan(g, engine, key, signature)
+    return work
+
+
+def _plan(g: Group, engine: Engine, key: tuple, signature: debug.Signature) -> None:
+    """Make the planned path of an ``auto`` all-reduce of ``key``'s shape (device, dtype,
+    element count, op, checking level, tuning; what :func:`all_reduce` found no plan for),
+    after one such call ran on ``engine``: the engine's checked call
+    (:meth:`~collectives.engine.AlgorithmEngine.checked_all_reduce`: the native one-shot on
+    ``shm``) started by :meth:`Group.plan <collectives.group.Group.plan>`, or None (the ordinary
+    path) where the engine offers none or every rank's signature is compared first (DETAIL).
+
+    What a planned call skips depends on the key alone: the checks of the op and dtype and the
+    engine lookup (a key that passed them once always does; planned only after a call passed
+    them), the engine's algorithm choice (count, dtype and tuning) and the wire header (count,
+    dtype, op, tuning and level; built here for issuing thread 0, the only thread a plan runs
+    on). The tensor's own checks (:func:`collectives.validate.tensor`, contiguity) run at every
+    call."""
+    _, dtype, numel, op, level, _ = key
+    checked = getattr(engine, "checked_all_reduce", None)  # optional: other engines run the ordinary path
+    start = None
+    if checked is not None and level != "DETAIL":
+        header = wire.header(signature, g.tuning, "auto", None, level, 0)
+        if (kernel := checked(numel, dtype, op, header)) is not None:
+            start = g.plan("all_reduce", kernel, header, current=False)
+    if len(g.plans) >= 256:  # a loop repeats a few shapes; anything else starts over
+        g.plans.clear()
+    g.plans[key] = start
 
 
 #: dtypes of sparse all-reduce: gloo's (torch adds sparse tensors of these, not float16 or bool).

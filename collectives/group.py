@@ -131,6 +131,9 @@ class Group:
         self._engines: dict[tuple[str, torch.device], Engine] = {}
         self._by_device: dict[torch.device, Engine] = {}  # engine(device), once built
         self._building = threading.RLock()  # one engine per key even when two threads ask at once
+        #: the public API's planned calls by call shape (:func:`collectives.api.all_reduce`): the
+        #: :meth:`plan` made after the first call of that shape, or None where it runs the ordinary path
+        self.plans: dict[tuple, Callable[..., bool] | None] = {}
 
     @classmethod
     def from_store(
@@ -333,12 +336,12 @@ class Group:
         self._executor.call(name, run, issuer)  # inline when nothing is queued: no handle, no thread hop
         return None
 
-    def _run(self, name: str, fn: Callable[[], None], header: wire.Header | None,
-             agree: debug.Signature | None = None, current: bool = True) -> None:
+    def _run(self, name: str, fn: Callable[..., None], header: wire.Header | None,
+             agree: debug.Signature | None = None, current: bool = True, args: tuple = ()) -> None:
         """A collective's turn in the queue: refuse on a broken group, let pending receives take
         their messages, compare ``agree`` with every rank first (DETAIL), make ``header`` the
-        wire check's (unless ``current`` is False: ``fn`` was given it), run ``fn`` without
-        autograd; a :class:`CollectiveError` breaks the group."""
+        wire check's (unless ``current`` is False: ``fn`` was given it), run ``fn(*args)``
+        without autograd; a :class:`CollectiveError` breaks the group."""
         try:
             if self._failure is not None:  # it may have broken while this call was queued
                 self.check_usable(name)
@@ -352,7 +355,7 @@ class Group:
                 if grad:
                     _set_grad_enabled(False)  # torch.no_grad() without its ~1 µs of Python frames
                 faults.reached("collective")
-                fn()
+                fn(*args)
             finally:
                 if grad:
                     _set_grad_enabled(True)
@@ -362,23 +365,24 @@ class Group:
             self.mark_broken(exc)
             raise
 
-    def plan(self, name: str, fn: Callable[[], None], header: wire.Header, current: bool = True) -> Callable[[], bool]:
-        """The per-call path of a persistent collective (:mod:`collectives.persistent`): a function
-        that runs ``fn`` now, synchronously, as :meth:`submit` would with ``header`` (built with
-        issuing thread 0), and returns True; or does nothing and returns False when the call
-        needs more than that, so the caller submits it instead: not on the thread that created the
-        group, work queued or running on the group, a trace recording, ``--verbose`` logging.
-        ``current=False``: ``fn`` runs its transport's operation with ``header`` itself, so it is
-        not made :func:`collectives.wire.current`."""
-        run = functools.partial(self._run, name, fn, header, None, current)
+    def plan(self, name: str, fn: Callable[..., None], header: wire.Header, current: bool = True) -> Callable[..., bool]:
+        """The per-call path of a planned collective (a persistent one, :mod:`collectives.persistent`,
+        or a plain call whose shape ran before, :data:`plans`): a function ``start(*args)`` that
+        runs ``fn(*args)`` now, synchronously, as :meth:`submit` would with ``header`` (built
+        with issuing thread 0), and returns True; or does nothing and returns False when the call
+        needs more than that, so the caller submits it instead: not on the thread that created
+        the group, work queued or running on the group, a trace recording, ``--verbose``
+        logging. ``current=False``: ``fn`` runs its transport's operation with ``header``
+        itself, so it is not made :func:`collectives.wire.current`."""
+        run = self._run
         creator, get_ident, active, logs = self._creator_id, threading.get_ident, trace.active, log.isEnabledFor
         claim, release = self._executor.claim, self._executor.release
 
-        def start() -> bool:
+        def start(*args: object) -> bool:
             if get_ident() != creator or active() is not None or logs(logging.DEBUG) or not claim(name):
                 return False
             try:
-                run()
+                run(name, fn, header, None, current, args)
             finally:
                 release()
             return True
@@ -446,6 +450,7 @@ class Group:
                 engine.close()
             self._engines.clear()
             self._by_device.clear()
+            self.plans.clear()
         if self._failure is not None:
             self.mailbox.release()
             self.process_group = None
@@ -723,8 +728,9 @@ def member(group: Group | NonMember | None, op_name: str) -> Group | None:
     """The group a call runs on, or ``None`` when this rank is not a member: then, as torch does,
     the call warns ``Running <op> on global rank <r> which does not belong to the given group.``
     and does nothing (the caller returns at once)."""
-    if group is None:
-        return get_default_group()
+    if group is None:  # the default group: get_default_group() without its two frames, unless it raises
+        world = bound if (bound := _bound_world.get()) is not None else _world
+        return world if world is not None else get_default_group()
     if isinstance(group, Group):  # the common case first: one check
         return group
     if is_non_member(group):

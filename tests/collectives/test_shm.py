@@ -655,6 +655,51 @@ def test_wire_check_names_both_calls_without_a_message_of_its_own(case):
     assert any(f"differ in {differ}" in message for _, message in results), results
 
 
+def planned_plain_calls(rank: int, world_size: int) -> dict:
+    """Plain calls whose shape ran before (the planned path where the kernel is loaded): the
+    results, what their bad arguments raise, and a mismatch between two planned shapes."""
+    from collectives.group import get_default_group
+    from collectives.transport.shm import native
+
+    f, i = torch.ones(8), torch.full((8,), 1 << 24, dtype=torch.int32)  # i's bits summed as floats differ
+    for t in (f, i, f, i):  # the first call of a shape plans it, the second runs planned
+        collectives.all_reduce(t)
+    out: dict = {"sums": (f.tolist(), i.tolist()), "refused": [], "error": None}
+    out["planned"] = sum(p is not None for p in get_default_group().plans.values())
+    out["loaded"] = native.library() is not None
+    for bad in (lambda: collectives.all_reduce(i, collectives.ReduceOp.AVG),  # a planned dtype, another op
+                lambda: collectives.all_reduce(f, async_op=1),
+                lambda: collectives.all_reduce(torch.ones(2, 4).to_sparse_csr()),
+                lambda: collectives.all_reduce(torch.ones(8, device="meta"))):
+        try:
+            bad()
+            out["refused"].append("no error")
+        except (TypeError, ValueError) as exc:  # before any traffic: the peer is not in a call
+            out["refused"].append(type(exc).__name__)
+    try:
+        collectives.all_reduce(f if rank == 0 else i)  # both shapes planned; they differ in dtype only
+    except collectives.CollectiveError as exc:
+        out["error"] = (type(exc).__name__, exc.op, exc.peer, str(exc))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_planned_plain_calls_keep_their_checks_and_the_wire_check():
+    """DESIGN §3, the plain call's planned path: a call whose shape (device, dtype, count, op)
+    ran before skips to the kernel only after the checks that depend on the tensor; bad
+    arguments still raise before any traffic; the calls are still numbered and compared, so
+    two planned shapes that differ in dtype alone (equal bytes, equal count) raise on both
+    ranks naming the op, the peer and both calls."""
+    results = collectives.launch(planned_plain_calls, 2, backend="shm", timeout=20.0, join_timeout=90)
+    for rank, out in enumerate(results):
+        assert out["sums"] == ([4.0] * 8, [4 << 24] * 8), out["sums"]
+        assert out["planned"] == (2 if out["loaded"] else 0), out
+        assert out["refused"] == ["ValueError", "TypeError", "TypeError", "TypeError"], out["refused"]
+        kind, op, peer, message = out["error"]
+        assert (kind, op, peer) == ("CollectiveError", "all_reduce", 1 - rank), out["error"]
+        assert "as collective #5" in message and "differ in dtype" in message, message
+
+
 @pytest.mark.timeout(180)
 def test_bench_shows_shm_and_memcpy_rows(capsys, tmp_path):
     """The shm columns, timed nccl-tests style (``--timing loop``: 50 back-to-back calls at 64 KiB),
