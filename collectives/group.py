@@ -94,6 +94,7 @@ class Group:
         hosts: a host key per group rank (:func:`host_key`); equal keys share memory.
         mailbox: user point-to-point's receives and the streams they read from, and the user
             channel CPU messages travel on (:class:`~collectives.mailbox.Mailbox`).
+        plans: the public API's planned calls by call shape (:func:`collectives.api.all_reduce`).
 
     A group is the :class:`~collectives.transport.base.GroupInfo` its backend builds transports from.
     """
