@@ -133,8 +133,9 @@ class Group:
         self._by_device: dict[torch.device, Engine] = {}  # engine(device), once built
         self._building = threading.RLock()  # one engine per key even when two threads ask at once
         #: the public API's planned calls by call shape (:func:`collectives.api.all_reduce`): the
-        #: :meth:`plan` made after the first call of that shape, or None where it runs the ordinary path
-        self.plans: dict[tuple, Callable[..., bool] | None] = {}
+        #: checking level and tuning the plan is for, and the :meth:`plan` made after the first
+        #: call of that shape, or None where it runs the ordinary path
+        self.plans: dict[tuple, tuple[tuple, Callable[..., bool] | None]] = {}
 
     @classmethod
     def from_store(
@@ -646,25 +647,27 @@ def unbind_default_group(token: contextvars.Token) -> None:
     _bound_world.reset(token)
 
 
-def _default() -> Group | None:
+def default_group() -> Group | None:
+    """The default group of the calling context, or None before :func:`init_process_group`
+    (:func:`get_default_group` raises instead)."""
     bound = _bound_world.get()
     return _world if bound is None else bound
 
 
 def is_initialized() -> bool:
-    return _default() is not None
+    return default_group() is not None
 
 
 def group_count() -> int:
     """How many groups this rank is in: the default group (if any) plus its subgroups (a
     virtual rank's, :mod:`collectives.sim`, are kept by its world's process group)."""
-    world = _default()
+    world = default_group()
     virtual = getattr(world.process_group, "subgroups", None) if world is not None else None
     return (world is not None) + len(_subgroups if virtual is None else virtual)
 
 
 def get_default_group() -> Group:
-    world = _default()
+    world = default_group()
     if world is None:
         raise RuntimeError("collectives are not initialised: call collectives.init_process_group() first")
     return world
@@ -729,13 +732,12 @@ def member(group: Group | NonMember | None, op_name: str) -> Group | None:
     """The group a call runs on, or ``None`` when this rank is not a member: then, as torch does,
     the call warns ``Running <op> on global rank <r> which does not belong to the given group.``
     and does nothing (the caller returns at once)."""
-    if group is None:  # the default group: get_default_group() without its two frames, unless it raises
-        world = bound if (bound := _bound_world.get()) is not None else _world
-        return world if world is not None else get_default_group()
+    if group is None:
+        return get_default_group()
     if isinstance(group, Group):  # the common case first: one check
         return group
     if is_non_member(group):
-        world = _default()
+        world = default_group()
         rank = -1 if world is None else world.rank()
         warnings.warn(f"Running {op_name} on global rank {rank} which does not belong to the given group.", stacklevel=3)
         return None
@@ -790,5 +792,5 @@ def new_group(
 def __getattr__(name: str) -> Group | None:
     """``collectives.group.WORLD``: the default group when read (``None`` before init), like torch's."""
     if name == "WORLD":
-        return _default()
+        return default_group()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -200,9 +200,9 @@ MUTANTS = (
         "DESIGN §3, the plain call's planned path: a call runs the plan made for its own device, dtype, "
         "count and op only (what the checks it skips depend on); the wire check still compares the calls",
         "collectives/api.py",
-        "        key = (tensor.device, tensor.dtype, tensor.numel(), op, debug.level(), g.tuning.key())\n",
-        "        MUTANT_REACHED()\n"
-        "        key = (tensor.device, torch.float32, tensor.numel(), op, debug.level(), g.tuning.key())  # MUTANT\n",
+        "            key, state = (tensor.is_cpu, tensor.dtype, tensor.numel(), op), (debug.level(), g.tuning.key())\n",
+        "            MUTANT_REACHED()\n"
+        "            key, state = (tensor.is_cpu, torch.float32, tensor.numel(), op), (debug.level(), g.tuning.key())  # MUTANT\n",
         ("tests/collectives/test_shm.py::test_planned_plain_calls_keep_their_checks_and_the_wire_check",),
     ),
     Mutant(

@@ -665,7 +665,7 @@ def planned_plain_calls(rank: int, world_size: int) -> dict:
     for t in (f, i, f, i):  # the first call of a shape plans it, the second runs planned
         collectives.all_reduce(t)
     out: dict = {"sums": (f.tolist(), i.tolist()), "refused": [], "error": None}
-    out["planned"] = sum(p is not None for p in get_default_group().plans.values())
+    out["planned"] = sum(start is not None for _, start in get_default_group().plans.values())
     out["loaded"] = native.library() is not None
     for bad in (lambda: collectives.all_reduce(i, collectives.ReduceOp.AVG),  # a planned dtype, another op
                 lambda: collectives.all_reduce(f, async_op=1),
