@@ -188,7 +188,7 @@ def _plan(g: Group, engine: Engine, key: tuple, state: tuple, signature: debug.S
     if checked is not None and on_cpu and level != "DETAIL":
         header = wire.header(signature, g.tuning, "auto", None, level, 0)
         if (kernel := checked(numel, dtype, op, header)) is not None:
-            start = g.plan("all_reduce", kernel, header, current=False)
+            start = g.plan("all_reduce", kernel, header, current=False, no_grad=False)
     if len(g.plans) >= 256:  # a loop repeats a few shapes; anything else starts over
         g.plans.clear()
     g.plans[key] = (state, start)

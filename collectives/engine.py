@@ -265,8 +265,9 @@ class AlgorithmEngine:
         """An ``auto`` :meth:`all_reduce` of any contiguous buffer of ``numel`` ``dtype``
         elements as the collective ``all_reduce`` with ``header``, the transport's operation
         included, in one call made now, where the transport offers that
-        (:func:`~collectives.shm_algorithms.checked_all_reduce`); else None. Call it only after
-        a collective has run on this engine (the first sets the regions up)."""
+        (:func:`~collectives.shm_algorithms.checked_all_reduce`); else None. It records nothing
+        in autograd, whatever the grad mode. Call it only after a collective has run on this
+        engine (the first sets the regions up)."""
         regions = self._regions() if self._hierarchy is None else None
         return None if regions is None else shm_algorithms.checked_all_reduce(regions, numel, dtype, op, header)
 

@@ -108,7 +108,8 @@ class PersistentAllReduce:
                 with transport_op(_NAME):
                     engine.all_reduce(flat, self.op, algorithm)
 
-        group_start, level = g.plan(_NAME, run, header, current), debug.level
+        # the transport's checked call (current False) is the engine's checked_all_reduce: it records nothing
+        group_start, level = g.plan(_NAME, run, header, current, no_grad=current), debug.level
         planned_level, planned_tuning, ptr, numel = key
 
         def go() -> bool:  # _state() == key, then the group's start, without their frames

@@ -230,7 +230,9 @@ def checked_all_reduce(regions: SharedRegions, numel: int, dtype: torch.dtype, o
     one native call, the transport's operation for ``header`` included
     (:meth:`~collectives.transport.base.SharedRegions.checked_one_shot`; AVG divides after it),
     where it runs one-shot and the transport offers that; else None. What the planned calls run
-    (a persistent start, a plain :func:`collectives.all_reduce` whose shape ran before)."""
+    (a persistent start, a plain :func:`collectives.all_reduce` whose shape ran before). It runs
+    no torch operation autograd could record (AVG's division runs without autograd), so it may
+    run in grad mode."""
     n = regions.world_size
     if not _planned_one_shot(regions, numel, dtype):
         return None
@@ -258,9 +260,12 @@ def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> 
 
 
 def _finished(native: Callable[[torch.Tensor], None], n: int, buf: torch.Tensor) -> None:
-    """An AVG through a native one-shot: the sum, then the division (:func:`finish`)."""
+    """An AVG through a native one-shot: the sum, then the division (:func:`finish`), which
+    autograd does not record (a planned call may run with grad mode on:
+    :func:`checked_all_reduce`)."""
     native(buf)
-    finish(ReduceOp.AVG, buf, n)
+    with torch.no_grad():
+        finish(ReduceOp.AVG, buf, n)
 
 
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
