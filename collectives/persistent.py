@@ -25,9 +25,9 @@ runs the ordinary :func:`collectives.all_reduce`, so a plan is never less checke
 than the call it stands for, and ranks may mix plans and ordinary calls freely: the wire
 header and the bits are the same.
 
-A plain synchronous :func:`collectives.all_reduce` whose shape (device, dtype, element count,
-op) ran before now takes the same planned call (:func:`collectives.api.all_reduce`), after the
-argument checks that depend on the tensor; a plan saves those and a cache lookup per call.
+A plain synchronous :func:`collectives.all_reduce` of a CPU tensor whose dtype, element count
+and op ran before now takes the same planned call (:func:`collectives.api.all_reduce`), after
+the argument checks its key does not fix; a plan saves those and a cache lookup per call.
 
 The buffer is bound at init, as in MPI: write into it in place, do not resize or re-point it
 (``resize_``, ``set_``). Each start compares its address and element count with the plan's,
