@@ -24,8 +24,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import debug, validate
-from .group import Group, NonMember, get_group, member
+from . import debug, validate, wire
+from .engine import Engine
+from .group import Group, NonMember, default_group, get_group, member
 from .ops import ReduceOp, check_op_dtype
 from .tuning import ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 from .work import Work
@@ -117,9 +118,25 @@ def all_reduce(
     ``2(n-1)α + 2(n-1)/n·Sβ``), ``"recursive_doubling"`` (latency-optimal, ``log2(n)(α + Sβ)``),
     or ``"auto"`` (by size). A sparse COO ``tensor`` is summed as gloo sums it
     (:func:`_all_reduce_sparse`).
+
+    A synchronous ``auto`` call of a dense contiguous tensor whose key (CPU or not, dtype,
+    element count, op) ran before on the group, at the checking level and tuning in force, takes
+    that key's planned path (:func:`_plan`): what a persistent start runs, the queue's order,
+    the wire check and the errors included.
     """
     name = "all_reduce"
     op = op if type(op) is ReduceOp else ReduceOp.coerce(op)
+    plan = False  # whether to plan this call's key after it (_plan)
+    if async_op is False and algorithm == "auto" and isinstance(tensor, torch.Tensor):
+        g = default_group() if group is None else group if isinstance(group, Group) else None
+        # of validate.tensor's checks only what the key below does not fix (see _plan)
+        if g is not None and tensor.layout is torch.strided and not tensor.is_nested and tensor.is_contiguous():
+            key, state = (tensor.is_cpu, tensor.dtype, tensor.numel(), op), (debug.level(), g.tuning.key())
+            planned = g.plans.get(key)
+            if planned is None or planned[0] != state:  # not yet, or for another level or tuning
+                plan = True
+            elif (start := planned[1]) is not None and start(tensor):
+                return None
     if isinstance(tensor, torch.Tensor) and tensor.layout is torch.sparse_coo:
         return _all_reduce_sparse(tensor, op, group, async_op, algorithm)
     validate.tensor(tensor, name)
@@ -138,7 +155,43 @@ def all_reduce(
         with _flat(tensor) as buf, engine.transport_op(name):
             engine.all_reduce(buf, op, algorithm)
 
-    return g.submit(name, run, async_op, debug.signature(name, tensor, op), [tensor], algorithm=algorithm)
+    signature = debug.signature(name, tensor, op)
+    work = g.submit(name, run, async_op, signature, [tensor], algorithm=algorithm)
+    if plan:  # the first call of its key: the transport is set up now
+        _plan(g, engine, key, state, signature)
+    return work
+
+
+def _plan(g: Group, engine: Engine, key: tuple, state: tuple, signature: debug.Signature) -> None:
+    """Plan an ``auto`` all-reduce of ``key`` (a CPU tensor or not, dtype, element count, op) for
+    ``state`` (checking level, group tuning), after one such call (what :func:`all_reduce` found
+    no plan for) ran on ``engine``: the engine's checked call
+    (:meth:`~collectives.engine.AlgorithmEngine.checked_all_reduce`: the native one-shot on
+    ``shm``) started by :meth:`Group.plan <collectives.group.Group.plan>`, or None (the ordinary
+    path) where the engine offers none, the tensor is not on the CPU, or every rank's signature
+    is compared first (DETAIL).
+
+    A planned call checks at every call what its key does not fix: a tensor, strided, not
+    nested, contiguous (so no staged copy, no aliasing), a group given or the default one (not a
+    non-member), synchronous, ``auto``. The rest depends on the key and state alone, so the call
+    that planned them (with every check of the ordinary path, in its order) stands for it: a
+    supported dtype, not quantized (a dtype) nor meta (not the CPU), the op for the dtype, the
+    CPU's engine; the engine's algorithm choice (count, dtype, tuning) and the wire header
+    (count, dtype, op, tuning, level; built here for issuing thread 0, the only thread a plan
+    starts on). A call whose key has no plan for the state in force, or whose plan declines it
+    (:meth:`Group.plan <collectives.group.Group.plan>`: queued work, another thread, tracing),
+    takes the ordinary path with all its checks."""
+    on_cpu, dtype, numel, op = key
+    level = state[0]
+    checked = getattr(engine, "checked_all_reduce", None)  # optional: other engines run the ordinary path
+    start = None
+    if checked is not None and on_cpu and level != "DETAIL":
+        header = wire.header(signature, g.tuning, "auto", None, level, 0)
+        if (kernel := checked(numel, dtype, op, header)) is not None:
+            start = g.plan("all_reduce", kernel, header, current=False, no_grad=False)
+    if len(g.plans) >= 256:  # a loop repeats a few shapes; anything else starts over
+        g.plans.clear()
+    g.plans[key] = (state, start)
 
 
 #: dtypes of sparse all-reduce: gloo's (torch adds sparse tensors of these, not float16 or bool).

@@ -260,23 +260,35 @@ class AlgorithmEngine:
         else:
             tree.recursive_doubling_all_reduce(self.transport, buf, op, self.workspace)
 
+    def checked_all_reduce(self, numel: int, dtype: torch.dtype, op: ReduceOp,
+                           header: wire.Header) -> Callable[[torch.Tensor], None] | None:
+        """An ``auto`` :meth:`all_reduce` of any contiguous buffer of ``numel`` ``dtype``
+        elements as the collective ``all_reduce`` with ``header``, the transport's operation
+        included, in one call made now, where the transport offers that
+        (:func:`~collectives.shm_algorithms.checked_all_reduce`); else None. It records nothing
+        in autograd, whatever the grad mode. Call it only after a collective has run on this
+        engine (the first sets the regions up)."""
+        regions = self._regions() if self._hierarchy is None else None
+        return None if regions is None else shm_algorithms.checked_all_reduce(regions, numel, dtype, op, header)
+
     def plan_all_reduce(self, buf: torch.Tensor, op: ReduceOp, algorithm: str,
                         header: wire.Header | None) -> tuple[Callable[[], None], bool]:
         """:meth:`all_reduce` of this very ``buf`` as the collective ``all_reduce``, its transport
         operation included, planned once to run many times (a persistent collective,
         :mod:`collectives.persistent`); with it, whether that function reads ``header`` from
-        :func:`collectives.wire.current` (else it was given it here). On shared regions, a
-        one-shot with its views and signature computed now
-        (:func:`~collectives.shm_algorithms.plan_all_reduce`), the whole checked operation in one
-        call where the transport offers that; anything else chooses at each call as
-        :meth:`all_reduce` does. Call it only after a collective has run on this engine (the
-        regions are set up by the first one)."""
+        :func:`collectives.wire.current` (else it was given it here): :meth:`checked_all_reduce`
+        where it offers a call; else on shared regions a one-shot with its views and signature
+        computed now (:func:`~collectives.shm_algorithms.plan_all_reduce`); anything else
+        chooses at each call as :meth:`all_reduce` does. Call it only after a collective has
+        run on this engine."""
+        if algorithm == "auto" and header is not None:
+            checked = self.checked_all_reduce(buf.numel(), buf.dtype, op, header)
+            if checked is not None:
+                return functools.partial(checked, buf), False
         planned = None
         if algorithm == "auto" and (regions := self._regions()) is not None:
-            planned = shm_algorithms.plan_all_reduce(regions, buf, op, header if self._hierarchy is None else None)
-            if planned is not None and planned[1]:  # the checked operation itself: given the header
-                return planned[0], False
-        body = planned[0] if planned is not None else functools.partial(self.all_reduce, buf, op, algorithm)
+            planned = shm_algorithms.plan_all_reduce(regions, buf, op)
+        body = planned if planned is not None else functools.partial(self.all_reduce, buf, op, algorithm)
         transport_op = self.transport_op
 
         def run() -> None:

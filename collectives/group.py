@@ -94,6 +94,7 @@ class Group:
         hosts: a host key per group rank (:func:`host_key`); equal keys share memory.
         mailbox: user point-to-point's receives and the streams they read from, and the user
             channel CPU messages travel on (:class:`~collectives.mailbox.Mailbox`).
+        plans: the public API's planned calls by call shape (:func:`collectives.api.all_reduce`).
 
     A group is the :class:`~collectives.transport.base.GroupInfo` its backend builds transports from.
     """
@@ -131,6 +132,10 @@ class Group:
         self._engines: dict[tuple[str, torch.device], Engine] = {}
         self._by_device: dict[torch.device, Engine] = {}  # engine(device), once built
         self._building = threading.RLock()  # one engine per key even when two threads ask at once
+        #: the public API's planned calls by call shape (:func:`collectives.api.all_reduce`): the
+        #: checking level and tuning the plan is for, and the :meth:`plan` made after the first
+        #: call of that shape, or None where it runs the ordinary path
+        self.plans: dict[tuple, tuple[tuple, Callable[..., bool] | None]] = {}
 
     @classmethod
     def from_store(
@@ -333,12 +338,14 @@ class Group:
         self._executor.call(name, run, issuer)  # inline when nothing is queued: no handle, no thread hop
         return None
 
-    def _run(self, name: str, fn: Callable[[], None], header: wire.Header | None,
-             agree: debug.Signature | None = None, current: bool = True) -> None:
+    def _run(self, name: str, fn: Callable[..., None], header: wire.Header | None,
+             agree: debug.Signature | None = None, current: bool = True, args: tuple = (),
+             no_grad: bool = True) -> None:
         """A collective's turn in the queue: refuse on a broken group, let pending receives take
         their messages, compare ``agree`` with every rank first (DETAIL), make ``header`` the
-        wire check's (unless ``current`` is False: ``fn`` was given it), run ``fn`` without
-        autograd; a :class:`CollectiveError` breaks the group."""
+        wire check's (unless ``current`` is False: ``fn`` was given it), run ``fn(*args)``
+        without autograd (unless ``no_grad`` is False: see :meth:`plan`); a
+        :class:`CollectiveError` breaks the group."""
         try:
             if self._failure is not None:  # it may have broken while this call was queued
                 self.check_usable(name)
@@ -347,12 +354,12 @@ class Group:
             if agree is not None:
                 self._check_agreement(agree, header)  # before the header: its own traffic
             previous = wire.swap(header) if current else None
-            grad = torch.is_grad_enabled()  # off already inside backward hooks and under no_grad
+            grad = no_grad and torch.is_grad_enabled()  # off already inside backward hooks and under no_grad
             try:
                 if grad:
                     _set_grad_enabled(False)  # torch.no_grad() without its ~1 µs of Python frames
                 faults.reached("collective")
-                fn()
+                fn(*args)
             finally:
                 if grad:
                     _set_grad_enabled(True)
@@ -362,23 +369,28 @@ class Group:
             self.mark_broken(exc)
             raise
 
-    def plan(self, name: str, fn: Callable[[], None], header: wire.Header, current: bool = True) -> Callable[[], bool]:
-        """The per-call path of a persistent collective (:mod:`collectives.persistent`): a function
-        that runs ``fn`` now, synchronously, as :meth:`submit` would with ``header`` (built with
-        issuing thread 0), and returns True; or does nothing and returns False when the call
-        needs more than that, so the caller submits it instead: not on the thread that created the
-        group, work queued or running on the group, a trace recording, ``--verbose`` logging.
-        ``current=False``: ``fn`` runs its transport's operation with ``header`` itself, so it is
-        not made :func:`collectives.wire.current`."""
-        run = functools.partial(self._run, name, fn, header, None, current)
+    def plan(self, name: str, fn: Callable[..., None], header: wire.Header, current: bool = True,
+             no_grad: bool = True) -> Callable[..., bool]:
+        """The per-call path of a planned collective (a persistent one, :mod:`collectives.persistent`,
+        or a plain call whose shape ran before, :data:`plans`): a function ``start(*args)`` that
+        runs ``fn(*args)`` now, synchronously, as :meth:`submit` would with ``header`` (built
+        with issuing thread 0), and returns True; or does nothing and returns False when the call
+        needs more than that, so the caller submits it instead: not on the thread that created
+        the group, work queued or running on the group, a trace recording, ``--verbose``
+        logging. ``current=False``: ``fn`` runs its transport's operation with ``header``
+        itself, so it is not made :func:`collectives.wire.current`. ``no_grad=False``: ``fn``
+        runs no torch operation autograd could record (a native call; what it runs in torch it
+        runs with autograd off itself), so the grad mode is left alone (switching it off and on
+        costs ~0.4 µs a call)."""
+        run = self._run
         creator, get_ident, active, logs = self._creator_id, threading.get_ident, trace.active, log.isEnabledFor
         claim, release = self._executor.claim, self._executor.release
 
-        def start() -> bool:
+        def start(*args: object) -> bool:
             if get_ident() != creator or active() is not None or logs(logging.DEBUG) or not claim(name):
                 return False
             try:
-                run()
+                run(name, fn, header, None, current, args, no_grad)
             finally:
                 release()
             return True
@@ -446,6 +458,7 @@ class Group:
                 engine.close()
             self._engines.clear()
             self._by_device.clear()
+            self.plans.clear()
         if self._failure is not None:
             self.mailbox.release()
             self.process_group = None
@@ -640,25 +653,27 @@ def unbind_default_group(token: contextvars.Token) -> None:
     _bound_world.reset(token)
 
 
-def _default() -> Group | None:
+def default_group() -> Group | None:
+    """The default group of the calling context, or None before :func:`init_process_group`
+    (:func:`get_default_group` raises instead)."""
     bound = _bound_world.get()
     return _world if bound is None else bound
 
 
 def is_initialized() -> bool:
-    return _default() is not None
+    return default_group() is not None
 
 
 def group_count() -> int:
     """How many groups this rank is in: the default group (if any) plus its subgroups (a
     virtual rank's, :mod:`collectives.sim`, are kept by its world's process group)."""
-    world = _default()
+    world = default_group()
     virtual = getattr(world.process_group, "subgroups", None) if world is not None else None
     return (world is not None) + len(_subgroups if virtual is None else virtual)
 
 
 def get_default_group() -> Group:
-    world = _default()
+    world = default_group()
     if world is None:
         raise RuntimeError("collectives are not initialised: call collectives.init_process_group() first")
     return world
@@ -728,7 +743,7 @@ def member(group: Group | NonMember | None, op_name: str) -> Group | None:
     if isinstance(group, Group):  # the common case first: one check
         return group
     if is_non_member(group):
-        world = _default()
+        world = default_group()
         rank = -1 if world is None else world.rank()
         warnings.warn(f"Running {op_name} on global rank {rank} which does not belong to the given group.", stacklevel=3)
         return None
@@ -783,5 +798,5 @@ def new_group(
 def __getattr__(name: str) -> Group | None:
     """``collectives.group.WORLD``: the default group when read (``None`` before init), like torch's."""
     if name == "WORLD":
-        return _default()
+        return default_group()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

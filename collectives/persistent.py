@@ -25,6 +25,10 @@ runs the ordinary :func:`collectives.all_reduce`, so a plan is never less checke
 than the call it stands for, and ranks may mix plans and ordinary calls freely: the wire
 header and the bits are the same.
 
+A plain synchronous :func:`collectives.all_reduce` of a CPU tensor whose dtype, element count
+and op ran before now takes the same planned call (:func:`collectives.api.all_reduce`), after
+the argument checks its key does not fix; a plan saves those and a cache lookup per call.
+
 The buffer is bound at init, as in MPI: write into it in place, do not resize or re-point it
 (``resize_``, ``set_``). Each start compares its address and element count with the plan's,
 and a changed tensor, checking level or group tuning is planned again at that start.
@@ -104,7 +108,8 @@ class PersistentAllReduce:
                 with transport_op(_NAME):
                     engine.all_reduce(flat, self.op, algorithm)
 
-        group_start, level = g.plan(_NAME, run, header, current), debug.level
+        # the transport's checked call (current False) is the engine's checked_all_reduce: it records nothing
+        group_start, level = g.plan(_NAME, run, header, current, no_grad=current), debug.level
         planned_level, planned_tuning, ptr, numel = key
 
         def go() -> bool:  # _state() == key, then the group's start, without their frames

@@ -219,35 +219,53 @@ def one_shot_fits(regions: SharedRegions, nbytes: int) -> bool:
     return nbytes <= min(ONE_SHOT_BYTES // regions.world_size, regions.piece_bytes)
 
 
-def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp,
-                    header: wire.Header | None = None) -> tuple[Callable[[], None], bool] | None:
-    """All-reduce of this very ``buf`` planned once, to be run many times (a persistent
-    collective, :mod:`collectives.persistent`): the one-shot as the transport's native call
+def _planned_one_shot(regions: SharedRegions, numel: int, dtype: torch.dtype) -> bool:
+    """Whether a planned all-reduce of ``numel`` ``dtype`` elements is a one-shot with peers."""
+    return regions.world_size > 1 and numel > 0 and one_shot_fits(regions, numel * dtype.itemsize)
+
+
+def checked_all_reduce(regions: SharedRegions, numel: int, dtype: torch.dtype, op: ReduceOp,
+                       header: wire.Header) -> Callable[[torch.Tensor], None] | None:
+    """The whole checked all-reduce of any contiguous buffer of ``numel`` ``dtype`` elements as
+    one native call, the transport's operation for ``header`` included
+    (:meth:`~collectives.transport.base.SharedRegions.checked_one_shot`; AVG divides after it),
+    where it runs one-shot and the transport offers that; else None. What the planned calls run
+    (a persistent start, a plain :func:`collectives.all_reduce` whose shape ran before). It runs
+    no torch operation autograd could record (AVG's division runs without autograd), so it may
+    run in grad mode."""
+    n = regions.world_size
+    if not _planned_one_shot(regions, numel, dtype):
+        return None
+    run = regions.checked_one_shot("all_reduce", numel, dtype, op, _signature("all_reduce", numel, dtype, op), header)
+    if run is None or op is not ReduceOp.AVG:
+        return run
+    return functools.partial(_finished, run, n)
+
+
+def plan_all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> Callable[[], None] | None:
+    """All-reduce of this very ``buf`` planned once, to be run many times inside the transport's
+    operation (a persistent collective, :mod:`collectives.persistent`, where
+    :func:`checked_all_reduce` offers nothing): the one-shot as the transport's native call
     where it has one (:meth:`~collectives.transport.base.SharedRegions.one_shot_kernel`), else
     with its signature and both halves' tensors computed now; None where ``buf`` does not run
-    one-shot. With it, whether the function runs the transport's checked operation for
-    ``header`` itself (:meth:`~collectives.transport.base.SharedRegions.checked_one_shot`), else
-    the caller runs it inside the operation."""
+    one-shot."""
     n, numel, dtype = regions.world_size, buf.numel(), buf.dtype
-    if n == 1 or numel == 0 or not one_shot_fits(regions, numel * dtype.itemsize):
+    if not _planned_one_shot(regions, numel, dtype):
         return None
     signature = _signature("all_reduce", numel, dtype, op)
-    native = None if header is None else regions.checked_one_shot("all_reduce", numel, dtype, op, signature, header)
-    checked = native is not None
-    if native is None:
-        native = regions.one_shot_kernel(numel, dtype, op, signature)
-    if native is not None and op is ReduceOp.AVG:
-        return functools.partial(_finished, native, buf, n), checked
-    if native is not None:
-        return functools.partial(native, buf), checked
+    if (native := regions.one_shot_kernel(numel, dtype, op, signature)) is not None:
+        return functools.partial(_finished, native, n, buf) if op is ReduceOp.AVG else functools.partial(native, buf)
     halves = [_one_shot_operands(regions, buf, h) for h in (0, 1)]
-    return functools.partial(_one_shot, regions, buf, op, signature, halves), False
+    return functools.partial(_one_shot, regions, buf, op, signature, halves)
 
 
-def _finished(native: Callable[[torch.Tensor], None], buf: torch.Tensor, n: int) -> None:
-    """An AVG through a native one-shot: the sum, then the division (:func:`finish`)."""
+def _finished(native: Callable[[torch.Tensor], None], n: int, buf: torch.Tensor) -> None:
+    """An AVG through a native one-shot: the sum, then the division (:func:`finish`), which
+    autograd does not record (a planned call may run with grad mode on:
+    :func:`checked_all_reduce`)."""
     native(buf)
-    finish(ReduceOp.AVG, buf, n)
+    with torch.no_grad():
+        finish(ReduceOp.AVG, buf, n)
 
 
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:

@@ -196,6 +196,16 @@ MUTANTS = (
         ("tests/collectives/test_shm.py::test_float_sums_are_bitwise_identical_and_in_rank_order[3]",),
     ),
     Mutant(
+        "planned-call-of-another-dtype",
+        "DESIGN §3, the plain call's planned path: a call runs the plan made for its own device, dtype, "
+        "count and op only (what the checks it skips depend on); the wire check still compares the calls",
+        "collectives/api.py",
+        "            key, state = (tensor.is_cpu, tensor.dtype, tensor.numel(), op), (debug.level(), g.tuning.key())\n",
+        "            MUTANT_REACHED()\n"
+        "            key, state = (tensor.is_cpu, torch.float32, tensor.numel(), op), (debug.level(), g.tuning.key())  # MUTANT\n",
+        ("tests/collectives/test_shm.py::test_planned_plain_calls_keep_their_checks_and_the_wire_check",),
+    ),
+    Mutant(
         "single-copy-never-used",
         "README: large broadcast/scatter/... transfers copy once, straight from the owner's tensor, with "
         "process_vm_readv where the set-up probe finds it allowed (the probe's flag stays on here)",

@@ -284,7 +284,8 @@ class SharedRegions(abc.ABC):
         """Optional: :meth:`one_shot_kernel`'s ``run(buf)`` that also does what the transport's
         :meth:`~Transport.operation` ``name`` does around it with ``header`` as
         :func:`collectives.wire.current` (label, number, publish and compare the call), in one
-        call: for a planned call (:mod:`collectives.persistent`), whose header stays the same.
+        call: for a planned call (:mod:`collectives.persistent`, or a plain all-reduce whose
+        shape ran before: :func:`collectives.api.all_reduce`), whose header stays the same.
         None where there is no such call; then the caller runs ``one_shot_kernel``'s or the
         algorithm inside the operation."""
         return None

@@ -53,7 +53,7 @@ def _fold(world_size: int, numel: int, dtype: torch.dtype, op: ReduceOp) -> torc
 
 
 def both_paths(rank: int, world_size: int, python_ranks: tuple[int, ...]) -> dict:
-    """Each case by ``all_reduce`` and by a plan's starts; ranks in ``python_ranks`` run with
+    """Each case by ``all_reduce`` twice (the second planned) and by a plan's starts; ranks in ``python_ranks`` run with
     ``RINGDDP_NATIVE=0`` (set before the first collective loads the kernel)."""
     records: list[str] = []
     handler = logging.Handler()
@@ -67,15 +67,16 @@ def both_paths(rank: int, world_size: int, python_ranks: tuple[int, ...]) -> dic
     for dtype, op in CASES:
         for numel in SIZES:
             t = _operand(rank, numel, dtype)
-            plain = t.clone()
+            plain, again = t.clone(), t.clone()
             collectives.all_reduce(plain, op)
+            collectives.all_reduce(again, op)  # its shape ran: the planned path
             plan = collectives.all_reduce_init(t.clone(), op)
             starts = []
             for _ in range(3):  # the first start runs the plain call and plans; the others the plan
                 plan.tensor.copy_(t)
                 plan.start()
                 starts.append(plan.tensor.clone())
-            out["results"][(str(dtype), op.name, numel)] = [plain] + starts
+            out["results"][(str(dtype), op.name, numel)] = [plain, again] + starts
     out["loaded"] = native.library() is not None
     out["log"] = records
     return out
@@ -103,7 +104,7 @@ def test_native_one_shot_gives_the_python_paths_bits_and_meets_it(world_size, py
                 expected = _fold(world_size, numel, dtype, op)
                 for i, got in enumerate(result["results"][(str(dtype), op.name, numel)]):
                     same = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-                    assert same, (rank, dtype, op, numel, "plain" if i == 0 else f"start {i}")
+                    assert same, (rank, dtype, op, numel, ("plain", "plain again")[i] if i < 2 else f"start {i - 1}")
 
 
 def test_a_missing_build_is_logged_and_leaves_the_python_path(tmp_path, monkeypatch, caplog):

@@ -655,6 +655,55 @@ def test_wire_check_names_both_calls_without_a_message_of_its_own(case):
     assert any(f"differ in {differ}" in message for _, message in results), results
 
 
+def planned_plain_calls(rank: int, world_size: int) -> dict:
+    """Plain calls whose shape ran before (the planned path where the kernel is loaded): the
+    results, what their bad arguments raise, and a mismatch between two planned shapes."""
+    from collectives.group import get_default_group
+    from collectives.transport.shm import native
+
+    # in grad mode, AVG's division is not recorded by autograd (a leaf parameter, a non-leaf)
+    leaf, nonleaf = torch.nn.Parameter(torch.full((5,), rank + 1.0)), torch.ones(4, requires_grad=True) * (rank + 1)
+    f, i = torch.ones(8), torch.full((8,), 1 << 24, dtype=torch.int32)  # i's bits summed as floats differ
+    for t in (leaf, nonleaf, f, i) * 2:  # the first call of a shape plans it, the second runs planned
+        collectives.all_reduce(t, collectives.ReduceOp.AVG if t.requires_grad else collectives.ReduceOp.SUM)
+    out: dict = {"sums": (f.tolist(), i.tolist()), "refused": [], "error": None}
+    out["avg"] = (leaf.tolist(), nonleaf.tolist(), leaf.is_leaf, type(nonleaf.grad_fn).__name__)
+    out["planned"] = sum(start is not None for _, start in get_default_group().plans.values())
+    out["loaded"] = native.library() is not None
+    for bad in (lambda: collectives.all_reduce(i, collectives.ReduceOp.AVG),  # a planned dtype, another op
+                lambda: collectives.all_reduce(f, async_op=1),
+                lambda: collectives.all_reduce(torch.ones(2, 4).to_sparse_csr()),
+                lambda: collectives.all_reduce(torch.ones(8, device="meta"))):
+        try:
+            bad()
+            out["refused"].append("no error")
+        except (TypeError, ValueError) as exc:  # before any traffic: the peer is not in a call
+            out["refused"].append(type(exc).__name__)
+    try:
+        collectives.all_reduce(f if rank == 0 else i)  # both shapes planned; they differ in dtype only
+    except collectives.CollectiveError as exc:
+        out["error"] = (type(exc).__name__, exc.op, exc.peer, str(exc))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_planned_plain_calls_keep_their_checks_and_the_wire_check():
+    """DESIGN §3, the plain call's planned path: a call whose key (CPU, dtype, count, op) ran
+    before skips to the kernel after the checks the key does not fix; the sums are right, in
+    grad mode too (nothing recorded); bad arguments still raise before any traffic; the calls
+    are still numbered and compared, so two planned shapes that differ in dtype alone (equal
+    bytes, equal count) raise on both ranks naming the op, the peer and both calls."""
+    results = collectives.launch(planned_plain_calls, 2, backend="shm", timeout=20.0, join_timeout=90)
+    for rank, out in enumerate(results):
+        assert out["sums"] == ([4.0] * 8, [4 << 24] * 8), out["sums"]
+        assert out["avg"] == ([1.5] * 5, [1.5] * 4, True, "MulBackward0"), out["avg"]
+        assert out["planned"] == (4 if out["loaded"] else 0), out
+        assert out["refused"] == ["ValueError", "TypeError", "TypeError", "TypeError"], out["refused"]
+        kind, op, peer, message = out["error"]
+        assert (kind, op, peer) == ("CollectiveError", "all_reduce", 1 - rank), out["error"]
+        assert "as collective #9" in message and "differ in dtype" in message, message
+
+
 @pytest.mark.timeout(180)
 def test_bench_shows_shm_and_memcpy_rows(capsys, tmp_path):
     """The shm columns, timed nccl-tests style (``--timing loop``: 50 back-to-back calls at 64 KiB),

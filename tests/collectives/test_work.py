@@ -142,27 +142,31 @@ def test_future_callbacks_may_issue_and_wait_on_collectives(pools):
 
 
 def _paths(rank: int, world_size: int) -> dict:
-    """The same all_reduce three ways: inline (blocking, queue idle), queued (blocking behind an
-    async call) and async; then a peer that stays away, so each way times out."""
+    """The same all_reduce four ways: inline (blocking, queue idle), planned (inline again, its
+    shape having run), queued (blocking behind an async call) and async; then a peer that stays
+    away, so each way times out."""
     import collectives as c
 
     x = torch.arange(1000, dtype=torch.float64) * (rank + 1) + 0.1 * rank
-    inline, queued, background = x.clone(), x.clone(), x.clone()
+    inline, planned, queued, background = x.clone(), x.clone(), x.clone(), x.clone()
     c.all_reduce(inline)
+    c.all_reduce(planned)  # its shape ran: on shm the planned path
     ahead = c.all_reduce(torch.ones(1 << 16), async_op=True)  # the blocking call below queues behind it
     c.all_reduce(queued)
     ahead.wait()
     c.all_reduce(background, async_op=True).wait()
     errors = []
-    for how in ("inline", "queued", "async"):
+    for how in ("inline", "planned", "queued", "async"):
         g = c.new_group(timeout=1)  # a failed collective breaks its group: one per attempt
+        if how == "planned":  # a shape that ran on g: rank 0's next call of it is planned (shm)
+            c.all_reduce(torch.ones(4), group=g)
         if rank == 1:
             errors.append(None)
             c.barrier()  # rank 1 never joins g's all_reduce; it waits here until rank 0 timed out
             continue
         started = time.monotonic()
         try:
-            if how == "inline":
+            if how in ("inline", "planned"):
                 c.all_reduce(torch.ones(4), group=g)
             elif how == "queued":
                 first = c.all_reduce(torch.ones(4), group=g, async_op=True)
@@ -174,22 +178,22 @@ def _paths(rank: int, world_size: int) -> dict:
             queued_behind = "unusable after an earlier failure" in str(exc) and "Timed out after 1s" in str(exc)
             errors.append((type(exc).__name__, exc.op, exc.peer, 1.0 <= time.monotonic() - started < 4.0, queued_behind))
         c.barrier()
-    return {"inline": inline, "queued": queued, "async": background, "errors": errors}
+    return {"inline": inline, "planned": planned, "queued": queued, "async": background, "errors": errors}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["shm", "p2p"])
 def test_inline_queued_and_async_paths_agree(backend):
-    """Results bitwise equal whichever way a call runs; the same error (type, op, peer) too, at
-    the group's deadline: a waiter spins, then sleeps, and still wakes for its deadline. The
+    """Results bitwise equal whichever way a call runs (inline, planned: a shape that ran before,
+    queued, async); the same error (type, op, peer) too, at the group's deadline: a waiter spins, then sleeps, and still wakes for its deadline. The
     blocking call queued behind the async one that timed out does not wait a deadline of its
     own: it fails when the first does, naming the first failure."""
     results = collectives.launch(_paths, 2, backend=backend, timeout=20, join_timeout=90)
     for r in results:
-        assert torch.equal(r["inline"], r["queued"]) and torch.equal(r["inline"], r["async"])
+        assert all(torch.equal(r["inline"], r[how]) for how in ("planned", "queued", "async"))
     assert torch.equal(results[0]["inline"], results[1]["inline"])
     timed_out = ("CollectiveTimeoutError", "all_reduce", 1, True, False)  # named, at the deadline
-    assert results[0]["errors"] == [timed_out, ("CollectiveError", "all_reduce", 1, True, True), timed_out]
+    assert results[0]["errors"] == [timed_out, timed_out, ("CollectiveError", "all_reduce", 1, True, True), timed_out]
 
 
 def _gil_while_waiting(rank: int, world_size: int) -> int:

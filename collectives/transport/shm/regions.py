@@ -162,7 +162,7 @@ class Regions(SharedRegions):
         if kernel is None or plan is None:
             return None
         at = ctypes.addressof(plan)
-        ctrl, check, wait, busy_spin = self._ctrl, self._check, self._wait, self._waiter.busy_spin
+        ctrl, check, wait, busy_spin_ns = self._ctrl, self._check, self._wait, self._waiter.busy_spin_ns
 
         def run(buf: torch.Tensor, call: int = 0) -> None:
             if not self._halves:
@@ -170,7 +170,7 @@ class Regions(SharedRegions):
             g, step = self._pieces, self._step + 1
             self._step, self._half = step, g % 2
             self._signature = mine = signature ^ check.tag_base
-            phase, spin = 0, int(busy_spin() * 1e9)
+            phase, spin = 0, busy_spin_ns()
             while reply := kernel(at, buf.data_ptr(), g, step, mine, phase, spin, call):
                 phase, q = reply >> 32, reply & 0xFFFFFFFF
                 theirs = ctrl[q]

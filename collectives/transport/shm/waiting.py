@@ -156,6 +156,7 @@ class Waiter:
         self._socks = socks
         self._peers = [q for q in range(self.world_size) if q != self.rank]
         self._spin, self._busy_spin = spin
+        self._busy_spin_ns = int(self._busy_spin * 1e9)
         # a caller with a core of its own (a busy spin: no more ranks than CPUs) keeps off its
         # peers' CPUs (module docstring)
         self._spread = (
@@ -172,11 +173,11 @@ class Waiter:
             self._poll.register(s.fileno(), select.POLLIN)
             self._fd_peer[s.fileno()] = q
 
-    def busy_spin(self) -> float:
-        """Seconds a wait on this thread may spin without yielding before :meth:`wait` takes
+    def busy_spin_ns(self) -> int:
+        """Nanoseconds a wait on this thread may spin without yielding before :meth:`wait` takes
         over (:func:`spin_times`; none on a communication thread): for a native wait
         (:mod:`.native`) that returns here when it is not over by then."""
-        return 0.0 if on_communication_thread() else self._busy_spin
+        return 0 if on_communication_thread() else self._busy_spin_ns
 
     def socket_fds(self) -> list[int]:
         """Per rank, the socket :meth:`wake` writes to (-1 for this rank), for a native wake."""
