@@ -2,7 +2,7 @@
 
     python scripts/chaos.py --world-size 3 --steps 600 --events 20 --seed 0 [--zero 2]
     python scripts/chaos.py --world-size 2 --steps 4000 --events 30 --signals kill --spares 1   # recovery table
-    python scripts/chaos.py -n 2 --steps 70000 --events 13 --rounds 4 --spares 1 --heartbeat 0.5   # 10-minute soak
+    python scripts/chaos.py -n 2 --steps 60000 --events 13 --rounds 4 --spares 1 --heartbeat 0.5   # the soak in the README
 
 Runs ``ddp.elastic.run`` twice on the synthetic job: once without failures (the reference and
 the failure-free time), once with ``--events`` signals (SIGKILL or SIGSTOP, to a random slot,
