@@ -92,12 +92,12 @@ def main() -> int:
             same = same and same_here
             line += f"; {runs['reference'][0]:.1f}s without failures; final state bitwise the reference's: {same_here}"
         print(line, flush=True)
-    r = sorted(recovery)
-    if r:
-        p99 = r[min(len(r) - 1, round(0.99 * (len(r) - 1)))]
-        print(f"recovery over {len(r)} signals: p50 {statistics.median(r):.2f}s, p99 {p99:.2f}s, max {r[-1]:.2f}s; "
-              f"members stood still {sum(r):.1f}s, {100 * sum(r) / chaotic:.1f} % of the time with failures")
-        print("recovery seconds:", " ".join(f"{x:.3f}" for x in r))
+    times = sorted(recovery)
+    if times:
+        p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+        print(f"recovery over {len(times)} signals: p50 {statistics.median(times):.2f}s, p99 {p99:.2f}s, max {times[-1]:.2f}s; "
+              f"members stood still {sum(times):.1f}s, {100 * sum(times) / chaotic:.1f} % of the time with failures")
+        print("recovery seconds:", " ".join(f"{x:.3f}" for x in times))
     summary = (f"{a.rounds} x {a.steps} steps, {a.world_size} members, {a.spares} spares: {chaotic:.1f}s with {sent} signals "
                f"sent ({replaced} members replaced)")
     if not a.reference:
@@ -106,6 +106,7 @@ def main() -> int:
     print(f"{summary}, {clean:.1f}s without failures; goodput {100 * clean / chaotic:.0f}%; "
           f"final state bitwise the reference's: {same}")
     return 0 if same else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())
