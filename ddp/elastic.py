@@ -78,8 +78,13 @@ the undo copy (a ``memcpy`` of the own shard and the replica: parameters and sta
 second shard and the undo copy (measured: docs/DESIGN.md §5, ``python -m ddp.bench_elastic``). Our
 ZeRO-1 reduce-scatters too, so it needs the shift as much as ZeRO-2.
 
-**Limits.** DDP and ZeRO-1/2 (ZeRO-3 would need replicas of the parameter chunks too); shrink
-mode with DDP only; a shrunk world does not grow back; a member's own state outside the model and
+*Shrinking.* The shards carried between generations are tagged with the slots they were cut
+for; when a generation has other slots, healing sends every member each shard of a split that
+the live members hold whole and cuts them again (:func:`ddp.zero.replica.reshard`: bits moved,
+none computed), so the replay of the membership schedule stays bitwise equal.
+
+**Limits.** DDP and ZeRO-1/2 (ZeRO-3 would need replicas of the parameter chunks too); a shrunk
+world does not grow back; a member's own state outside the model and
 optimizer must be a function of the step or carried in the healed state (as the sampler
 position and RNG are here). Buffers
 (BatchNorm's running statistics): a lost attempt's updates are rolled back, and healing copies
@@ -115,7 +120,7 @@ from data import DistributedSampler
 
 from .distributed import DistributedDataParallel
 from .zero import ZeroDataParallel, ZeroRedundancyOptimizer
-from .zero.replica import Shard, ShardReplica, piece_gradients
+from .zero.replica import Shard, ShardReplica, piece_gradients, reshard
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +223,6 @@ class Config:
             )
         if self.zero and self.world_size < 2:
             raise ValueError("ddp.elastic.Config: ZeRO keeps each shard's replica on another member: world_size >= 2")
-        if self.zero and (self.shrink or self.schedule):
-            raise ValueError("ddp.elastic.Config: shrink mode runs our DDP only: drop shrink or use zero=0")
         if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
             raise ValueError(f"ddp.elastic.Config: spares must be an int >= 0, got {self.spares!r}")
         if isinstance(self.start_failures, bool) or not isinstance(self.start_failures, int) or self.start_failures < 1:
@@ -313,7 +316,9 @@ class ReplicatedTrainer(_Trainer):
         self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
         self.ddp: DistributedDataParallel | None = None
 
-    def heal(self, group: collectives.Group, step: int, extra: dict[str, Any] | None = None) -> int:
+    def heal(self, group: collectives.Group, step: int, extra: dict[str, Any] | None = None,
+             slots: tuple[int, ...] | None = None) -> int:
+        """:func:`heal` (every member holds the whole state, whatever the slots)."""
         return heal(group, self.model, self.opt, step, extra)
 
     def step(self, group: collectives.Group, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
@@ -354,9 +359,9 @@ class ShardedTrainer(_Trainer):
         self.replacement = replacement
         self.undone = self.kept = 0  # steps in flight rolled back / kept at a heal
 
-    def _build(self, group: collectives.Group) -> None:
-        """ZeRO on this generation's group, the own shard and the replica as carried over (all or
-        nothing: a failure leaves the carried state as it was)."""
+    def _build(self, group: collectives.Group, slots: tuple[int, ...], carry: dict[str, Any] | None) -> None:
+        """ZeRO on this generation's group (split over ``slots``), the own shard and the replica
+        loaded from ``carry`` if given (all or nothing: a failure leaves the carried state as it was)."""
         zdp = ZeroDataParallel(self.model, stage=self.cfg.zero, group=group, bucket_cap_mb=self.cfg.bucket_mb, init_sync=False)
         try:
             zopt = ZeroRedundancyOptimizer(zdp.parameters(), torch.optim.SGD, lr=self.cfg.lr, momentum=0.9)
@@ -364,36 +369,41 @@ class ShardedTrainer(_Trainer):
             zdp.remove_hooks()
             raise
         own, replica = Shard.own(zdp, zopt), ShardReplica(zdp, zopt, (group.rank() + 1) % group.size())
-        if self.carry is not None:
-            own.load(self.carry["own"])
-            replica.load(self.carry["replica"])
-        self.zdp, self.zopt, self.own, self.replica, self.carry = zdp, zopt, own, replica, None
+        if carry is not None:
+            own.load(carry["own"])
+            replica.load(carry["replica"])
+        self.zdp, self.zopt, self.own, self.replica, self.layout = zdp, zopt, own, replica, slots
+        self.carry = None
         self.scratch: dict[str, Any] | None = None  # the step's message and undo tensors, reused
 
-    def heal(self, group: collectives.Group, step: int, extra: dict[str, Any] | None = None) -> int:
-        """(``extra``: shrink mode's, which ZeRO does not run.) Agree on the committed step, roll the step in flight forward or back, give every
-        non-holder its shard and replica from the live copies, then republish the parameters."""
-        self._build(group)
+    def heal(self, group: collectives.Group, step: int, extra: dict[str, Any] | None = None,
+             slots: tuple[int, ...] | None = None) -> int:
+        """Agree on the committed step, roll the step in flight forward or back, give every
+        non-holder its shard and replica from the live copies (or, when the members' shards were
+        cut for another membership, cut them again for this one), then republish the
+        parameters. ``slots``: the members' slots, by rank (default: rank ``k`` has slot ``k``);
+        ``extra``: shrink mode's data cursor and history, taken from a member at the committed step."""
         n, me = group.size(), group.rank()
-        info = torch.zeros(n, 3, dtype=torch.int64)
-        collectives.all_gather_into_tensor(info, torch.tensor([[step, self.pending is not None, self.holds]]), group=group)
-        steps, pending, holds = (info[:, c].tolist() for c in range(3))
-        lost = [k for k in range(n) if not holds[k] and not holds[k - 1]]
-        if lost:
-            raise StateLostError(
-                f"ddp.elastic: the optimizer shards of ranks {lost} are lost: their owner and the rank holding their "
-                "replica both died (or were replacements that had not healed yet); restart from a checkpoint"
-            )
+        slots = tuple(range(n)) if slots is None else slots
+        # the split of the shards carried; None: a holder that never built them holds the initial
+        # state, which is the same under every split
+        layout = self.carry["layout"] if self.carry is not None else None
+        info: list[Any] = [None] * n
+        collectives.all_gather_object(info, (step, self.pending is not None, self.holds, layout), group=group)
+        steps, pending, holds, layouts = (list(column) for column in zip(*info))
         if not self.holds:
             faults.reached("heal")  # a replacement that dies while it heals (tests: collectives.faults)
+        if not any(holds):
+            raise StateLostError("ddp.elastic: every member of this generation is a replacement: no live member holds "
+                                 "the optimizer shards (restart from a checkpoint)")
         committed = max(steps[k] for k in range(n) if holds[k])
         odd = [k for k in range(n) if holds[k] and steps[k] != committed and not (steps[k] == committed - 1 and pending[k])]
         if odd:  # a member behind without its update: a live member cannot have committed past it
-            raise RuntimeError(f"ddp.elastic: inconsistent members after a failure (step, pending, holds by rank: {info.tolist()})")
+            raise RuntimeError(f"ddp.elastic: inconsistent members after a failure (step, pending, holds by rank: {info})")
         if self.pending is not None:
             if step == committed:  # nobody's all-gather of this step returned: undo it
-                self.own.load(self.pending["own"])
-                self.replica.load(self.pending["replica"])
+                assert self.carry is not None  # abandon() carried the shards the update changed
+                self.carry = {**self.carry, "own": self.pending["own"], "replica": self.pending["replica"]}
                 self.restore_buffers(self.pending["buffers"])
                 self.undone += 1
                 log.info("step %d: its update rolled back (no member committed it)", step)
@@ -401,7 +411,32 @@ class ShardedTrainer(_Trainer):
                 self.kept += 1
                 log.info("step %d: its update kept (a member committed it)", step)
             self.pending = None
-        for k in range(n):  # shard k lives on rank k (its owner) and rank k - 1 (its replica)
+        if all(layouts[k] in (None, slots) for k in range(n) if holds[k]):
+            self._fill(group, slots, holds)
+        else:  # the world shrank: cut every shard again
+            self._reshard(group, slots, holds, layouts)
+        self.zdp.publish()  # every chunk from its owner: the full parameters of the committed step
+        src = min(k for k in range(n) if holds[k] and steps[k] == committed)  # buffers (BatchNorm's): as DDP's heal
+        state = [{"buffers": [b.detach().clone() for b in self.model.buffers()], "extra": extra} if me == src else None]
+        collectives.broadcast_object_list(state, src=group.ranks[src], group=group)
+        self.restore_buffers(state[0]["buffers"])
+        if extra is not None:
+            extra.update(state[0]["extra"])
+        self.holds = True
+        return committed
+
+    def _fill(self, group: collectives.Group, slots: tuple[int, ...], holds: list[bool]) -> None:
+        """Same split as the shards carried: rank ``k``'s shard lives on rank ``k`` (its owner) and
+        ``k - 1`` (its replica); a replacement gets both of its copies from their other holders."""
+        n, me = group.size(), group.rank()
+        lost = [k for k in range(n) if not holds[k] and not holds[k - 1]]
+        if lost:
+            raise StateLostError(
+                f"ddp.elastic: the optimizer shards of ranks {lost} are lost: their owner and the rank holding their "
+                "replica both died (or were replacements that had not healed yet); restart from a checkpoint"
+            )
+        self._build(group, slots, self.carry)
+        for k in range(n):
             holder = (k - 1) % n
             for to, src, shard in ((k, holder, "replica"), (holder, k, "own")):
                 if not holds[to]:
@@ -409,13 +444,40 @@ class ShardedTrainer(_Trainer):
                     collectives.broadcast_object_list(obj, src=group.ranks[src], group=group)
                     if me == to:
                         (self.own if shard == "replica" else self.replica).load(obj[0])
-        self.zdp.publish()  # every chunk from its owner: the full parameters of the committed step
-        src = min(k for k in range(n) if holds[k])  # buffers (BatchNorm's statistics): as DDP's heal
-        buffers = [[b.detach().clone() for b in self.model.buffers()] if me == src else None]
-        collectives.broadcast_object_list(buffers, src=group.ranks[src], group=group)
-        self.restore_buffers(buffers[0])
-        self.holds = True
-        return committed
+
+    def _reshard(self, group: collectives.Group, slots: tuple[int, ...], holds: list[bool], layouts: list[Any]) -> None:
+        """The shards carried were cut for another membership (shrink mode): take a split whose
+        every shard a live member holds (as owner or replica), send every member each of its
+        shards, and cut them for this generation's split (:func:`ddp.zero.replica.reshard`). A
+        heal that failed half way can leave members carrying different splits of the same
+        state; any complete one will do."""
+        n, me = group.size(), group.rank()
+
+        def source(split: tuple[int, ...], k: int) -> int | None:
+            """The lowest rank holding shard ``k`` of ``split``: its owner, else its replica."""
+            owner = [r for r in range(n) if holds[r] and layouts[r] == split and split.index(slots[r]) == k]
+            keeper = [r for r in range(n) if holds[r] and layouts[r] == split and split.index(slots[r]) == (k - 1) % len(split)]
+            return (owner or keeper or [None])[0]
+
+        splits = sorted({layouts[r] for r in range(n) if holds[r] and layouts[r] is not None}, key=lambda split: (-len(split), split))
+        complete = [split for split in splits if all(source(split, k) is not None for k in range(len(split)))]
+        if not complete:
+            raise StateLostError(
+                f"ddp.elastic: no split of the optimizer shards is held whole by the live members (splits over slots "
+                f"{splits}; each shard lives on its owner and the member before it): restart from a checkpoint"
+            )
+        split = complete[0]
+        states = []
+        for k in range(len(split)):
+            src = source(split, k)
+            obj = [self.carry["own" if split.index(slots[me]) == k else "replica"] if me == src else None]
+            collectives.broadcast_object_list(obj, src=group.ranks[src], group=group)
+            states.append(obj[0])
+        self._build(group, slots, None)
+        own, replica = reshard(self.zdp, self.zopt, states, [me, (me + 1) % n])
+        self.own.load(own)
+        self.replica.load(replica)
+        log.info("the optimizer shards of slots %s cut again for slots %s", split, slots)
 
     def step(self, group: collectives.Group, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
         assert self.zdp is not None
@@ -442,7 +504,7 @@ class ShardedTrainer(_Trainer):
     def abandon(self) -> None:
         self.undo_attempt()  # failed before its update: as for DDP
         if self.zdp is not None and self.holds:
-            self.carry = {"own": self.own.state(), "replica": self.replica.state()}
+            self.carry = {"layout": self.layout, "own": self.own.state(), "replica": self.replica.state()}
         self.close()
 
     def close(self) -> None:
@@ -525,7 +587,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
             try:
                 if stale:
                     healing = time.monotonic()
-                    step = trainer.heal(eg.group, step, extra)
+                    step = trainer.heal(eg.group, step, extra, tuple(m.slot for m in eg.members))
                     stale = False
                     log.info("generation %d: healed to step %d in %.3fs", eg.generation, step, time.monotonic() - healing)
                     if extra is not None:
@@ -536,7 +598,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
                     if slot not in schedule[step]:
                         log.info("step %d: leaving, as the schedule says", step)
                         return {"slot": slot, "uid": eg.me.uid, "left_at": step, "identical": True}
-                    trainer.close()
+                    trainer.abandon()  # nothing in flight: it keeps its state (ZeRO: its shards) for the next generation
                     eg.reform(allow_shrink=True, wait=0)  # without the members the schedule drops
                     stale = True
                     continue
@@ -823,6 +885,9 @@ def run(cfg: Config, chaos: list[tuple[int, int, int]] = (), join_timeout: float
                         f"slot {slot} was lost after slots {sorted(reports)} finished the run: its final report is "
                         f"gone and no member is left to heal a replacement from; events: {events}")
                 start(slot, True)
+                if len(vacant) == cfg.world_size:
+                    raise collectives.LaunchError(f"ddp.elastic: every slot was lost and none could be replaced "
+                                                  f"(max_respawns); no member is left; events: {events}")
     finally:
         for p, _ in list(procs.values()) + spares:
             if p.is_alive():

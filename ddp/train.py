@@ -555,8 +555,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
         p.error("--spares, --shrink and --max-respawns go with --fault-tolerant")
     if a.spares < 0 or (a.max_respawns is not None and a.max_respawns < 0) or not a.respawn_wait >= 0:
         p.error("--spares and --max-respawns must be >= 0, --respawn-wait a number of seconds >= 0")
-    if a.shrink and a.zero:
-        p.error("--shrink re-partitions bucketed DDP (--zero 0) over fewer members; drop --shrink or --zero")
     if a.fault_tolerant:
         if a.zero == 3:
             p.error("--fault-tolerant runs ZeRO-1/2 (a replica of each optimizer shard on the next rank), not ZeRO-3, "

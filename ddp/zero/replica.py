@@ -27,13 +27,14 @@ what a replica hands a replacement, and the undo copy of a step in flight.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
 from .model import ZeroDataParallel
 from .optimizer import ZeroRedundancyOptimizer
+from .flat import FlatLayout, Piece
 from .units import FlatParams
 
 
@@ -101,21 +102,18 @@ class ShardReplica(Shard):
     def __init__(self, model: ZeroDataParallel, optimizer: ZeroRedundancyOptimizer, rank: int):
         units = _trainable_units(model)
         self.rank = rank
-        chunks, where = [], {}
-        for u, unit in enumerate(units):
+        chunks = []
+        for unit in units:
             lo, hi = unit.layout.chunk_range(rank)
             chunks.append(unit.full[lo:hi].detach().clone().to(unit.master_dtype))
-            for piece in unit.layout.pieces(rank):
-                where[id(unit.params[piece.param])] = (u, piece)
         slot_of = {id(p): (b, k) for b in model.reducer.buckets for k, p in enumerate(b.params)}
         tensors, groups, self._slots = [], [], []
-        for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups):  # the owner's order
+        order = shard_pieces(model, optimizer, rank)
+        for g, (outer, inner) in enumerate(zip(optimizer.param_groups, optimizer.optim.param_groups)):
             mine = []
-            for p in outer["params"]:
-                if id(p) in where:
-                    u, piece = where[id(p)]
-                    mine.append(nn.Parameter(chunks[u][piece.offset : piece.offset + piece.numel]))
-                    self._slots.append(slot_of[id(p)])
+            for _, u, piece in (entry for entry in order if entry[0] == g):
+                mine.append(nn.Parameter(chunks[u][piece.offset : piece.offset + piece.numel]))
+                self._slots.append(slot_of[id(units[u].params[piece.param])])
             tensors += mine
             groups.append({**{k: v for k, v in inner.items() if k != "params"}, "params": mine})
         self._outer = optimizer.param_groups
@@ -143,6 +141,65 @@ class ShardReplica(Shard):
         return sum(t.numel() for t in self.tensors)
 
 
+def shard_pieces(model: ZeroDataParallel, optimizer: ZeroRedundancyOptimizer, rank: int, world_size: int | None = None
+                 ) -> list[tuple[int, int, Piece]]:
+    """``(param group, unit, piece)`` of each tensor of rank ``rank``'s shard when the trainable
+    units are split over ``world_size`` ranks (default: the model's split), in the local
+    optimizer's order: the order of :meth:`Shard.state`'s ``optimizer`` list. A parameter falls
+    into a rank's contiguous chunk at most once, so this is the param groups' order."""
+    where = {}
+    for u, unit in enumerate(_trainable_units(model)):
+        layout = unit.layout if world_size in (None, unit.layout.world_size) else FlatLayout(unit.layout.numels, world_size)
+        for piece in layout.pieces(rank):
+            where[id(unit.params[piece.param])] = (u, piece)
+    return [(g, *where[id(p)]) for g, outer in enumerate(optimizer.param_groups) for p in outer["params"] if id(p) in where]
+
+
+@torch.no_grad()
+def reshard(model: ZeroDataParallel, optimizer: ZeroRedundancyOptimizer, states: Sequence[dict[str, Any]],
+            ranks: Sequence[int], world_size: int | None = None) -> list[dict[str, Any]]:
+    """The shards of ``ranks`` under a split over ``world_size`` ranks (default: the model's), cut
+    from ``states``, every shard of the same training state under another split (``states[k]``:
+    rank ``k``'s :meth:`Shard.state` when the units were split over ``len(states)`` ranks). What
+    a world that shrank loads (``ddp/elastic.py``): values are moved, never computed, so the bits
+    are the old shards'.
+
+    Every rank of the new split rebuilds the whole state here (the masters and the optimizer
+    state of every parameter), so for a moment it holds what ZeRO otherwise spreads over all."""
+    old, units = len(states), _trainable_units(model)
+    flats = [torch.cat([s["chunks"][u] for s in states])[: unit.layout.numel] for u, unit in enumerate(units)]
+    full: dict[tuple[int, int], dict[str, Any]] = {}  # (unit, parameter): its state, whole
+    filled: dict[tuple[int, int, str], int] = {}
+    for k, state in enumerate(states):
+        for (_, u, piece), saved in zip(shard_pieces(model, optimizer, k, old), state["optimizer"], strict=True):
+            target = full.setdefault((u, piece.param), {})
+            for key, v in saved.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    whole = target.setdefault(key, v.new_empty(units[u].layout.numels[piece.param]))
+                    whole[piece.start : piece.stop] = v.reshape(-1)
+                    filled[u, piece.param, key] = filled.get((u, piece.param, key), 0) + piece.numel
+                else:
+                    target.setdefault(key, v)
+    torn = [key for key, n in filled.items() if n != units[key[0]].layout.numels[key[1]]]
+    if torn:  # a state some pieces of a parameter have and others not: refuse to invent the rest
+        raise ValueError(f"ddp.zero.replica.reshard: the shards' optimizer state covers parameters only in part: {torn}")
+    out = []
+    for rank in ranks:
+        chunks = []
+        for unit, flat in zip(units, flats):
+            lo, hi = (unit.layout if world_size is None else FlatLayout(unit.layout.numels, world_size)).chunk_range(rank)
+            chunk = flat.new_zeros(hi - lo)  # the padding stays zero
+            chunk[: max(0, min(hi, flat.numel()) - lo)] = flat[lo:hi]
+            chunks.append(chunk)
+        entries = []
+        for _, u, piece in shard_pieces(model, optimizer, rank, world_size):
+            saved = full.get((u, piece.param), {})
+            entries.append({key: (v[piece.start : piece.stop].clone() if isinstance(v, torch.Tensor) and v.dim() > 0
+                                  else v.clone() if isinstance(v, torch.Tensor) else v) for key, v in saved.items()})
+        out.append({"chunks": chunks, "optimizer": entries})
+    return out
+
+
 def piece_gradients(optimizer: ZeroRedundancyOptimizer, out: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's averaged gradient of each piece it owns, laid end to end in the local
     optimizer's order (zeros for a piece without one), in ``out`` if given: what the replica of
@@ -156,4 +213,4 @@ def piece_gradients(optimizer: ZeroRedundancyOptimizer, out: torch.Tensor | None
     return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
-__all__ = ["Shard", "ShardReplica", "piece_gradients"]
+__all__ = ["Shard", "ShardReplica", "piece_gradients", "reshard", "shard_pieces"]

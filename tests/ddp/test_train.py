@@ -154,8 +154,8 @@ def test_bad_arguments_are_rejected():
     assert out.returncode == 2 and "--zero" in out.stderr
     out = run_train_here("--fault-tolerant", "--spares", "-1")
     assert out.returncode == 2 and "--spares" in out.stderr
-    out = run_train_here("--fault-tolerant", "--shrink", "--zero", "1")
-    assert out.returncode == 2 and "drop --shrink or --zero" in out.stderr
+    out = run_train_here("--shrink", "--zero", "1")
+    assert out.returncode == 2 and "go with --fault-tolerant" in out.stderr
 
 
 @pytest.mark.timeout(300)

@@ -580,8 +580,9 @@ def misuse_case(rank: int, world: int) -> dict[str, tuple[str, str]]:
 
 def replica_case(rank: int, world: int) -> dict[str, bool]:
     """ddp.zero.replica: rank r's replica of rank r+1's shard, stepped with the gradients r+1
-    sends, stays bitwise equal to r+1's own shard (AdamW: state and parameter values matter)."""
-    from ddp.zero.replica import Shard, ShardReplica, piece_gradients
+    sends, stays bitwise equal to r+1's own shard (AdamW: state and parameter values matter); and
+    ``reshard`` moves shards between splits without changing a bit."""
+    from ddp.zero.replica import Shard, ShardReplica, piece_gradients, reshard
 
     out = {}
     for stage in (1, 2):
@@ -603,11 +604,30 @@ def replica_case(rank: int, world: int) -> dict[str, bool]:
             opt.step()
         every: list[Any] = [None] * world
         collectives.all_gather_object(every, (own.state(), replica.state()))
-        mine, theirs = every[(rank + 1) % world][0], every[rank][1]
-        out[f"stage {stage}"] = len(opt.optim.state) > 0 and all(torch.equal(a, b) for a, b in zip(mine["chunks"], theirs["chunks"])) and all(
-            state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
-            for state_a, state_b in zip(mine["optimizer"], theirs["optimizer"]))
+        out[f"stage {stage}"] = len(opt.optim.state) > 0 and same_shard(every[(rank + 1) % world][0], every[rank][1])
+        # reshard: the shards cut for 1, 3 and 7 ranks and back are the same bits; cut for one rank
+        # they are the whole state, as consolidate_state_dict gathers it
+        owns = [e[0] for e in every]
+        out[f"stage {stage} resharded"] = all(
+            all(map(same_shard, reshard(wrapped, opt, reshard(wrapped, opt, owns, range(n), n), range(world)), owns))
+            for n in (1, 3, 7))
+        whole = reshard(wrapped, opt, owns, [0], 1)[0]
+        opt.consolidate_state_dict(0)
+        if rank == 0:
+            units = [u for u in wrapped.units if u.trainable]
+            gathered = opt.state_dict()["state"]
+            out[f"stage {stage} whole"] = all(
+                torch.equal(c[: u.layout.numel], u.full[: u.layout.numel]) for c, u in zip(whole["chunks"], units)) and all(
+                entry.keys() == gathered[i].keys() and all(torch.equal(v.reshape(-1), gathered[i][k].reshape(-1)) for k, v in entry.items())
+                for i, entry in enumerate(whole["optimizer"]))
     return out
+
+
+def same_shard(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two :meth:`ddp.zero.replica.Shard.state` copies hold the same bits."""
+    return len(a["chunks"]) == len(b["chunks"]) and all(torch.equal(x, y) for x, y in zip(a["chunks"], b["chunks"])) and len(
+        a["optimizer"]) == len(b["optimizer"]) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a["optimizer"], b["optimizer"]))
 
 
 # ---------------------------------------------------------------------------- launches (cached)
@@ -815,9 +835,10 @@ def test_summon_full_params_keeps_the_masters(key: str, ckpt_dir: str) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_shard_replica_stays_bitwise_equal_to_its_owner(ckpt_dir: str) -> None:
+def test_shard_replica_stays_bitwise_equal_to_its_owner_and_shards_cut_for_other_worlds(ckpt_dir: str) -> None:
     for rank, r in enumerate(results_of("L4", ckpt_dir)):
-        assert r["replica"] == {"stage 1": True, "stage 2": True}, f"rank {rank}: {r['replica']}"
+        expected = {f"stage {s}{what}": True for s in (1, 2) for what in ("", " resharded") + ((" whole",) if rank == 0 else ())}
+        assert r["replica"] == expected, f"rank {rank}: {r['replica']}"
 
 
 def test_memory_per_rank_by_tensor_accounting(ckpt_dir: str) -> None:
