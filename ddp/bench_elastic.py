@@ -2,7 +2,7 @@
 
     python -m ddp.bench_elastic                                   # main job's model: DDP, ZeRO-1, ZeRO-2 at 2 and 3 ranks
     python -m ddp.bench_elastic --model bench --world-sizes 2,4   # ddp.bench's MLP (16.8 M parameters)
-    python -m ddp.bench_elastic --modes ddp --json ft.json
+    python -m ddp.bench_elastic --modes ddp,aa --json ft.json       # DDP and the A/A control beside it
 
 Every rank builds two copies of the model and, for each mode of ``--modes``, runs rounds of
 ``--steps`` steps of each variant on the same group, alternating (every other round in reverse
@@ -20,6 +20,13 @@ cores (a rank that waits for a descheduled peer spins at most 50 µs, then sleep
   *fault-tolerant* is :class:`ddp.elastic.ShardedTrainer`'s step: the gradient shift to the
   replica holder, the undo copy, the replica's update, then the plain step's update and
   all-gather.
+* ``aa``, a control (an A/A test): both variants are the plain DDP step, each on its own copy of
+  the model, the second in the rounds (and with the heartbeat) of the fault-tolerant one. There
+  is nothing to find, so what it reads is the method's own resolution in that run: an overhead
+  of ``ddp`` is only measured when it stands out of ``aa``'s.
+
+Each overhead comes with the spread of the rounds' ratios (the middle half: 25th to 75th
+percentile).
 
 During the fault-tolerant rounds each rank also runs the heartbeat thread of an
 :class:`~collectives.ElasticGroup` (``--heartbeat`` bound: a beat every bound/4, one store
@@ -56,7 +63,7 @@ from .zero import ZeroDataParallel, ZeroRedundancyOptimizer
 
 log = logging.getLogger("ddp.bench_elastic")
 
-MODES = ("ddp", "zero1", "zero2")
+MODES = ("ddp", "zero1", "zero2", "aa")
 
 
 def _model(a: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -70,34 +77,44 @@ def _model(a: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor
     return model, torch.randn(rows, features, generator=g), torch.randint(0, classes, (rows,), generator=g)
 
 
-def _variants(mode: str, a: argparse.Namespace, group: collectives.Group) -> tuple[Callable[[int], None], Callable[[int], None], Any]:
-    """The plain and the fault-tolerant step of ``mode`` (each on its own copy of the model), and
-    the fault-tolerant trainer (closed by the caller)."""
-    plain_model, x, y = _model(a)
-    ft_model, _, _ = _model(a)
-    cfg = elastic.Config(world_size=group.size(), zero=int(mode[-1]) if mode != "ddp" else 0, bucket_mb=a.bucket_mb,
-                         lr=a.lr, seed=a.seed, heartbeat=a.heartbeat)
-    if mode == "ddp":
-        module: nn.Module = DistributedDataParallel(plain_model, group=group, bucket_cap_mb=a.bucket_mb)
+def _plain(mode: str, model: nn.Module, a: argparse.Namespace, group: collectives.Group,
+           x: torch.Tensor, y: torch.Tensor) -> tuple[Callable[[int], None], nn.Module]:
+    """The plain step of ``mode`` on ``model``, and the wrapped module (its hooks removed by the caller)."""
+    if mode in ("ddp", "aa"):
+        module: nn.Module = DistributedDataParallel(model, group=group, bucket_cap_mb=a.bucket_mb)
         opt: Any = torch.optim.SGD(module.parameters(), lr=a.lr, momentum=0.9)
-        trainer: Any = elastic.ReplicatedTrainer(cfg, ft_model)
     else:
-        module = ZeroDataParallel(plain_model, stage=cfg.zero, group=group, bucket_cap_mb=a.bucket_mb)
+        module = ZeroDataParallel(model, stage=int(mode[-1]), group=group, bucket_cap_mb=a.bucket_mb)
         opt = ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=a.lr, momentum=0.9)
-        trainer = elastic.ShardedTrainer(cfg, ft_model, replacement=False)
-    trainer.heal(group, 0)
-    rank = group.rank()
 
     def plain(step: int) -> None:
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(module(x), y).backward()
         opt.step()
 
+    return plain, module
+
+
+def _variants(mode: str, a: argparse.Namespace, group: collectives.Group) -> tuple[Callable[[int], None], Callable[[int], None], Callable[[], None]]:
+    """The plain and the fault-tolerant step of ``mode`` (each on its own copy of the model), and
+    what closes them (the caller calls it)."""
+    plain_model, x, y = _model(a)
+    ft_model, _, _ = _model(a)
+    plain, module = _plain(mode, plain_model, a, group, x, y)
+    if mode == "aa":  # the control: the plain step again
+        tolerant, twin = _plain(mode, ft_model, a, group, x, y)
+        return plain, tolerant, lambda: (module.remove_hooks(), twin.remove_hooks())
+    cfg = elastic.Config(world_size=group.size(), zero=0 if mode == "ddp" else int(mode[-1]), bucket_mb=a.bucket_mb,
+                         lr=a.lr, seed=a.seed, heartbeat=a.heartbeat)
+    trainer: Any = elastic.ReplicatedTrainer(cfg, ft_model) if mode == "ddp" else elastic.ShardedTrainer(cfg, ft_model, replacement=False)
+    trainer.heal(group, 0)
+    rank = group.rank()
+
     def tolerant(step: int) -> None:
         torch.default_generator.manual_seed(a.seed * 1_000_003 + rank * 10_007 + step)
         trainer.step(group, x, y, step)
 
-    return plain, tolerant, (module, trainer)
+    return plain, tolerant, lambda: (module.remove_hooks(), trainer.close())
 
 
 def _heartbeat(group: collectives.Group, bound: float, rank: int, round_: int) -> Heartbeat:
@@ -112,7 +129,7 @@ def bench_rank(rank: int, world_size: int, a: argparse.Namespace) -> dict[str, A
     out: dict[str, Any] = {}
     rounds = 0
     for mode in a.modes:
-        plain, tolerant, (module, trainer) = _variants(mode, a, group)
+        plain, tolerant, close = _variants(mode, a, group)
         times: dict[str, list[float]] = {"plain": [], "fault-tolerant": []}
         cpu: dict[str, list[float]] = {"plain": [], "fault-tolerant": []}
         step = 0
@@ -131,29 +148,31 @@ def bench_rank(rank: int, world_size: int, a: argparse.Namespace) -> dict[str, A
                 if r >= a.warmup:
                     times[name].append(seconds)
                     cpu[name].append(cpu_seconds)
-        trainer.close()
-        module.remove_hooks()
+        close()
         ratios = [t / p for p, t in zip(times["plain"], times["fault-tolerant"])]
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         out[mode] = {"plain_ms": 1e3 * statistics.median(times["plain"]),
                      "fault_tolerant_ms": 1e3 * statistics.median(times["fault-tolerant"]),
-                     "overhead": statistics.median(ratios) - 1, "rounds": times,
+                     "overhead": statistics.median(ratios) - 1, "spread": (quartiles[0] - 1, quartiles[2] - 1), "rounds": times,
                      "cpu_overhead": statistics.median(t / p for p, t in zip(cpu["plain"], cpu["fault-tolerant"])) - 1}
     return out if rank == 0 else None
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | ranks | mode | plain step ms | fault-tolerant step ms | overhead | overhead in CPU time (rank 0) |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| model | ranks | mode | plain step ms | fault-tolerant step ms | overhead | middle half of the rounds "
+             "| overhead in CPU time (rank 0) |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
+        low, high = r["spread"]
         lines.append(f"| {r['model']} | {r['world_size']} | {r['mode']} | {r['plain_ms']:.2f} | "
-                     f"{r['fault_tolerant_ms']:.2f} | {100 * r['overhead']:+.1f} % | {100 * r['cpu_overhead']:+.1f} % |")
+                     f"{r['fault_tolerant_ms']:.2f} | {100 * r['overhead']:+.1f} % | {100 * low:+.1f} .. {100 * high:+.1f} % "
+                     f"| {100 * r['cpu_overhead']:+.1f} % |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ddp.bench_elastic", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("digits", "bench"), default="digits", help="digits: the main job's (default); bench: ddp.bench's")
-    p.add_argument("--modes", default="ddp,zero1,zero2", help=f"comma list of {', '.join(MODES)} (default all)")
+    p.add_argument("--modes", default="ddp,zero1,zero2", help=f"comma list of {', '.join(MODES)} (default: all but aa)")
     p.add_argument("--world-sizes", default="2,3", help="comma list (default 2,3)")
     p.add_argument("--rounds", type=int, default=16, help="timed rounds of each variant (default 16)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
