@@ -206,6 +206,16 @@ MUTANTS = (
         ("tests/collectives/test_shm.py::test_planned_plain_calls_keep_their_checks_and_the_wire_check",),
     ),
     Mutant(
+        "zero-shrink-cuts-momentum-wrong",
+        "DESIGN §5, shrink with ZeRO-1/2: the survivors cut the optimizer shards again for the smaller "
+        "world, moving bits only (each parameter's state put back together from its pieces)",
+        "ddp/zero/replica.py",
+        "                    whole[piece.start : piece.stop] = v.reshape(-1)\n",
+        "                    MUTANT_REACHED()\n"
+        "                    whole[piece.start : piece.stop] = v.reshape(-1).flip(0)  # MUTANT\n",
+        ("tests/ddp/test_zero.py::test_shard_replica_stays_bitwise_equal_to_its_owner_and_shards_cut_for_other_worlds",),
+    ),
+    Mutant(
         "single-copy-never-used",
         "README: large broadcast/scatter/... transfers copy once, straight from the owner's tensor, with "
         "process_vm_readv where the set-up probe finds it allowed (the probe's flag stays on here)",
