@@ -274,19 +274,26 @@ class _Trainer:
     def __init__(self, cfg: Config, model: nn.Module) -> None:
         self.cfg, self.model = cfg, model
         self.before: list[torch.Tensor] | None = None  # buffers before the attempt in flight
+        self._buffers: list[torch.Tensor] | None = None  # the model's, listed once per generation
         self._saved: list[torch.Tensor] = []  # where they are copied, reused from step to step
 
     @torch.no_grad()
     def snapshot_buffers(self) -> list[torch.Tensor]:
         """The buffers' values before this attempt, in tensors reused every step (a copy into
-        them costs half a fresh clone); valid until the next snapshot."""
-        buffers = list(self.model.buffers())
-        if [t.shape for t in self._saved] != [b.shape for b in buffers]:
-            self._saved = [torch.empty_like(b) for b in buffers]
-        for saved, b in zip(self._saved, buffers):
+        them costs half a fresh clone); valid until the next snapshot. The buffers are listed at
+        a generation's first step and kept until :meth:`close` (listing them costs more than
+        copying them): a module updates its buffers in place, as BatchNorm does."""
+        if self._buffers is None:
+            self._buffers = list(self.model.buffers())
+            self._saved = [torch.empty_like(b) for b in self._buffers]
+        for saved, b in zip(self._saved, self._buffers):
             saved.copy_(b)
         self.before = self._saved
         return self.before
+
+    def close(self) -> None:
+        """End of a generation: the next one lists the buffers again."""
+        self._buffers = None
 
     @torch.no_grad()
     def restore_buffers(self, saved: list[torch.Tensor]) -> None:
@@ -336,6 +343,7 @@ class ReplicatedTrainer(_Trainer):
         self.close()
 
     def close(self) -> None:
+        super().close()
         if self.ddp is not None:
             self.ddp.remove_hooks()
             self.ddp = None
@@ -508,6 +516,7 @@ class ShardedTrainer(_Trainer):
         self.close()
 
     def close(self) -> None:
+        super().close()
         if self.zdp is not None:
             self.zdp.remove_hooks()
             self.zdp = None

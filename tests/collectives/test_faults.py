@@ -373,7 +373,8 @@ def gives_up(rank: int, world_size: int, backend: str, hold: float) -> float | N
         store.wait([f"gives-up/done/{r}" for r in range(1, world_size)], datetime.timedelta(seconds=hold))
         return None
     started = time.monotonic()
-    with pytest.raises(CollectiveError, match="rank 0"):
+    # the peer named is rank 0, or (on a loaded machine) rank 1, which failed first and closed too
+    with pytest.raises(CollectiveError, match=r"rank [01]\b"):
         collectives.broadcast(t, src=0, group=group)
     seconds = time.monotonic() - started
     group.close()
@@ -388,7 +389,9 @@ def test_closing_a_broken_group_ends_the_peers_waits_on_this_rank_at_once(backen
     failure) closes its connections then, not when it exits or its garbage is collected, so
     peers still waiting on it inside the failed collective (not next to the failure: they saw
     nothing) fail at once instead of at their deadline (60 s here; before, p2p's waited until
-    rank 0 exited)."""
+    rank 0 exited). A peer may hear it through another one: rank 1 fails, closes in turn, and
+    rank 2, still reading rank 1's header, fails on that closed connection (seen at load 19 on 2
+    cores): still at once."""
     hold = 30.0
     out = collectives.launch(gives_up, 3, backend, hold, backend=backend, timeout=60, join_timeout=100)
     assert all(s < 10.0 for s in out[1:]), out
