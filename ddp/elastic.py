@@ -591,6 +591,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
     schedule = dict(cfg.schedule)
     stale = True  # every generation starts by healing: replacements may join the first one too
     seconds: list[tuple[float, float]] = []  # wall and CPU time of each committed step (ddp.bench_elastic)
+    failed_at: float | None = None  # when the first failure since the last committed step was seen
     try:
         while True:
             try:
@@ -620,6 +621,9 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
                 trainer.step(eg.group, x, y, step)
                 step += 1
                 seconds.append((time.perf_counter() - begun[0], time.process_time() - begun[1]))
+                if failed_at is not None:  # the recovery time, as this member saw it
+                    log.info("recovered: step %d committed %.2fs after the failure", step, time.monotonic() - failed_at)
+                    failed_at = None
                 if on_commit is not None:
                     on_commit()
                     on_commit = None
@@ -629,7 +633,7 @@ def member(cfg: Config, port: int, slot: int, replacement: bool, ready: Prepared
                     store.set(f"ringddp/ddp-elastic/progress/{slot}", f"{step}:{eg.generation}")
             except collectives.CollectiveError as exc:
                 log.warning("step %d failed (%s); re-forming", step, str(exc).splitlines()[0][:160])
-                stale = True
+                stale, failed_at = True, failed_at or time.monotonic()
             else:
                 continue
             # out of the except block, whose traceback held the old generation's group: re-forming

@@ -38,8 +38,8 @@ def test_main_job_survives_members_killed_and_stopped_from_outside(tmp_path):
     """``python -m ddp.train --fault-tolerant``: the job logs each member's pid; one is killed
     (SIGKILL) and then the other stopped (SIGSTOP) from here, by pid, while it trains; the first
     replacement also dies while it heals (a fault point: after the step all-gather, before the
-    state arrives), so the next one heals; the job exits 0, says how many members it replaced,
-    and its parameters and optimizer state are bitwise those of the run without failures."""
+    state arrives), so the next one heals; the job exits 0, says how many members it replaced
+    (and the survivors how long each recovery took), and its parameters and optimizer state are bitwise those of the run without failures."""
     ref_path, path = tmp_path / "ref.pt", tmp_path / "ft.pt"
     args = [sys.executable, "-m", "ddp.train", "--fault-tolerant", "-n", "2", "--epochs", "3", "--heartbeat", "5"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -64,6 +64,7 @@ def test_main_job_survives_members_killed_and_stopped_from_outside(tmp_path):
     text = log_path.read_text()
     assert flag.exists() and "fault point: killing this process in heal" in text, text[-3000:]
     assert re.search(r"parameters identical on every rank; [3-9] members replaced", text), text[-3000:]
+    assert re.search(r"recovered: step \d+ committed [\d.]+s after the failure", text), text[-3000:]
     a, b = torch.load(ref_path), torch.load(path)
     assert _same(a, b)
 
