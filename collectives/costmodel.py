@@ -7,8 +7,9 @@ This module measures them and checks the formulas against the clock:
 * :func:`ping_pong` times round trips between two ranks at several sizes; one way is half the
   fastest round trip (the minimum filters out the scheduling noise of a busy host, which only
   ever adds time). :func:`exchange` times both ranks of a pair sending at once, as a ring step
-  does, on every host at the same time. Each keeps the median too: :func:`measure` fits both,
-  the fastest (what the links can do: ``predict``, ``tuning``) and the *typical* (``*_median``
+  does, on every host at the same time. Each keeps the median and the mean too: :func:`measure`
+  fits all three, the fastest (what the links can do: ``predict``, ``tuning``), the *expected*
+  (``*_mean``: the fastest's α less it is a waiting rank's wake-up, ``Network.wake_latency``) and the *typical* (``*_median``
   links: what a call on a busy host meets, the scheduling noise included; ``python -m
   collectives.sim validate --fits median`` simulates with these).
 * :func:`receive_cpu` measures the CPU a rank spends receiving a stream of messages (its process's
@@ -47,12 +48,12 @@ PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 #: :func:`ping_pong` repeats messages up to 64 KiB this many times more than larger ones
 SMALL_REPEAT = 5
 
-#: ``(bytes, fastest seconds, median seconds)`` of one size
-Sample = tuple[int, float, float]
+#: ``(bytes, fastest seconds, median seconds, mean seconds)`` of one size
+Sample = tuple[int, float, float, float]
 
 
 def _sample(nbytes: int, times: Sequence[float], scale: float = 1.0) -> Sample:
-    return nbytes, min(times) * scale, statistics.median(times) * scale
+    return nbytes, min(times) * scale, statistics.median(times) * scale, statistics.fmean(times) * scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +74,11 @@ class Link:
 def ping_pong(
     transport: Transport, a: int, b: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
 ) -> list[Sample]:
-    """One-way times ``[(bytes, fastest, median)]`` between ranks ``a`` and ``b`` (others return ``[]``).
+    """One-way times ``[(bytes, fastest, median, mean)]`` between ranks ``a`` and ``b`` (others return ``[]``).
 
     Rank ``a`` sends, ``b`` echoes; one way = the round trip / 2, of ``iters`` after one warm-up
-    (``SMALL_REPEAT`` times as many for sizes up to 64 KiB: cheap, and the median of the smallest
-    is the typical latency, whose excess over the fastest is a wake-up on busy cores).
+    (``SMALL_REPEAT`` times as many for sizes up to 64 KiB: cheap, and the mean of the smallest
+    is the expected latency, whose excess over the fastest is a wake-up on busy cores).
     """
     r = transport.rank
     if r not in (a, b) or a == b:
@@ -104,7 +105,7 @@ def ping_pong(
 def exchange(
     transport: Transport, partner: int | None, sizes: Sequence[int] = PING_SIZES, iters: int = 10
 ) -> list[Sample]:
-    """Times ``[(bytes, fastest, median)]`` of swapping ``S`` bytes with ``partner`` (``[]`` without one).
+    """Times ``[(bytes, fastest, median, mean)]`` of swapping ``S`` bytes with ``partner`` (``[]`` without one).
 
     Both sides send and receive at once, as in a ring step; when every host's pair runs this at
     the same moment, the fit includes what the pairs cost each other (shared cores and memory:
@@ -128,7 +129,7 @@ def exchange(
 def receive_cpu(
     transport: Transport, src: int, dst: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
 ) -> list[Sample]:
-    """CPU seconds ``[(bytes, fewest, median)]`` rank ``dst`` spends per message of ``S`` bytes from ``src``
+    """CPU seconds ``[(bytes, fewest, median, mean)]`` rank ``dst`` spends per message of ``S`` bytes from ``src``
     (others return ``[]``).
 
     ``src`` sends ``iters`` messages back to back after one warm-up, ``dst`` receives them; each
@@ -159,7 +160,7 @@ def receive_cpu(
 
 
 def copy_times(regions: SharedRegions, sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[Sample]:
-    """Times ``[(bytes, fastest, median)]`` of an all-gather of ``S`` bytes in all over shared regions.
+    """Times ``[(bytes, fastest, median, mean)]`` of an all-gather of ``S`` bytes in all over shared regions.
 
     Every rank copies its ``S / L`` bytes into its region, synchronises once and copies the
     other ``(L - 1)/L · S`` out: ``S`` bytes copied per rank, every rank of the host at once (as in
@@ -199,7 +200,7 @@ def fit(samples: Sequence[tuple[int, float]]) -> Link:
 
 
 def reduce_times(sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[Sample]:
-    """Times ``[(bytes, fastest, median)]`` of one float32 sum of ``S`` bytes into its first
+    """Times ``[(bytes, fastest, median, mean)]`` of one float32 sum of ``S`` bytes into its first
     operand (what a reduction step of an algorithm does: :func:`~collectives.ops.combine`), of
     ``iters`` after one warm-up. Its fit is the ``reduce`` link: ``β`` seconds per byte combined."""
     samples = []
@@ -218,8 +219,11 @@ def reduce_times(sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[Sam
 #: the links :func:`measure` fits from the fastest of its repetitions
 FASTEST_KINDS = ("net", "local", "shm", "duplex", "reduce", "recv_cpu")
 #: every link :func:`measure` fits, in the order of its numbers: each kind from the fastest
-#: repetitions, then each from the medians (``net_median``, ...: the typical message)
-LINK_KINDS = FASTEST_KINDS + tuple(f"{kind}_median" for kind in FASTEST_KINDS)
+#: repetitions, then each from the medians (``net_median``, ...: the typical message), then from
+#: the means (``net_mean``, ...: the expected message; ``net_mean``'s α less ``net``'s is the
+#: expected wake-up of a waiting rank, ``python -m collectives.sim validate``)
+SUFFIXES = ("", "_median", "_mean")
+LINK_KINDS = tuple(f"{kind}{suffix}" for suffix in SUFFIXES for kind in FASTEST_KINDS)
 
 
 def measure(
@@ -241,19 +245,21 @@ def measure(
     :func:`copy_times` on their shared ``regions`` (this rank's host's; the hierarchical
     algorithms' intra-host transport) at once; rank 0's host's fit is used. ``reduce``: every
     rank times :func:`reduce_times` at once (ranks share the cores); rank 0's fit. Rank 0 fits
-    and sends the numbers to all, so every rank returns the same links. Each kind is fitted twice:
-    from the fastest repetition of each size (``net``, ...) and from the medians (``net_median``,
-    ...; the module docstring).
+    and sends the numbers to all, so every rank returns the same links. Each kind is fitted three
+    times: from the fastest repetition of each size (``net``, ...), from the medians
+    (``net_median``, ...) and from the means (``net_mean``, ...; the module docstring).
     """
     r = transport.rank
     fits = torch.full((2 * len(LINK_KINDS),), math.nan, dtype=torch.float64)
-    for kind in ("net", "local", "net_median", "local_median"):
-        at = 2 * LINK_KINDS.index(kind)
-        fits[at : at + 2] = 0.0
+    for kind in ("net", "local"):
+        for suffix in SUFFIXES:
+            at = 2 * LINK_KINDS.index(kind + suffix)
+            fits[at : at + 2] = 0.0
 
     def keep(kind: str, samples: list[Sample]) -> None:
         if r == 0:
-            for name, column in ((kind, 1), (f"{kind}_median", 2)):
+            for column, suffix in enumerate(SUFFIXES, 1):
+                name = kind + suffix
                 at = 2 * LINK_KINDS.index(name)
                 link = fit([(sample[0], sample[column]) for sample in samples])
                 fits[at : at + 2] = torch.tensor(dataclasses.astuple(link), dtype=torch.float64)
@@ -276,7 +282,7 @@ def measure(
         transport.recv(fits, 0)
     found = {kind: Link(*fits[2 * i : 2 * i + 2].tolist()) for i, kind in enumerate(LINK_KINDS)}
     links = {}
-    for suffix in ("", "_median"):
+    for suffix in SUFFIXES:
         net, local = found[f"net{suffix}"], found[f"local{suffix}"]
         links[f"net{suffix}"] = net if layout.spans_hosts else local
         links[f"local{suffix}"] = local if len(layout.hosts[0]) > 1 else net

@@ -246,7 +246,9 @@ def validate(args: argparse.Namespace) -> None:
     one CPU for all hosts (they are namespaces of one machine: ``cores`` = the run's ``cpus``,
     ``--cores`` sets it) on which every reduction and every receive between hosts (the run's
     ``recv_cpu`` fit) is CPU work, sharing the cores with as many threads of other work as the
-    row's load average (``cpu_background``; ``--no-background``: none); ``--no-cpu`` drops the CPU."""
+    row's load average (``cpu_background``; ``--no-background``: none); ``--no-cpu`` drops the CPU.
+    With the fastest fits, a receive its rank waits for completes the expected wake-up after its
+    arrival (``wake_latency``: the mean one-way latency's α less the fastest's; ``--no-wake``: at once)."""
     ratios: dict[tuple[str, int, int], list[float]] = {}
     loads: list[float] = []
     for path in args.bench:
@@ -282,8 +284,8 @@ def _validate_run(path: str, args: argparse.Namespace) -> list[tuple[tuple[str, 
     cores = 0 if args.no_cpu else args.cores or rows[0].get("cpus") or len(os.sched_getaffinity(0))
     recv_cpu = links["recv_cpu"].beta if "recv_cpu" in links and cores else 0.0
     wake = 0.0
-    if fits == "fastest" and not args.no_wake and "net_median" in fitted:  # the typical message's extra: a wake-up
-        wake = max(0.0, fitted["net_median"].alpha - fitted["net"].alpha)
+    if fits == "fastest" and not args.no_wake and "net_mean" in fitted:  # the expected message's extra: a wake-up
+        wake = max(0.0, fitted["net_mean"].alpha - fitted["net"].alpha)
     print(f"# {path} ({fits} fits): inter {links.get('net', DEFAULT_INTER)}; intra {intra}; "
           f"reductions {reduce_beta * 1e9:.3f} ns/B; NIC burst {burst:.0f} B; wake-up {wake * 1e6:.0f} us; "
           + (f"{cores} cores for all hosts, receive CPU {recv_cpu * 1e9:.3f} ns/B" if cores else "no CPU model"))

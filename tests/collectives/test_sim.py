@@ -624,3 +624,13 @@ def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, 
     # the root posts its two sends at once and its link shares them (TCP measured so): both end
     # at 2Sβ (first come, first served would end the first at Sβ); then one forward: 3Sβ + 2α
     assert f"{(3 * (16 << 20) * 8e-9 + 2 * 1e-4) * 1e6:.0f}" in out
+    # a run that recorded its shaped link, its CPUs and the fits of the terms beyond α/β
+    spec = "tbf rate 1gbit burst 256kb latency 50ms"
+    path.write_text(json.dumps([dict(tree, link=spec, cpus=2, load_average=3.0, recv_cpu_alpha=4e-5,
+                                     recv_cpu_beta=3e-10, net_mean_alpha=1.1e-3, net_mean_beta=8e-9)]))
+    main(["validate", str(path), "--hosts", "4"])
+    out = capsys.readouterr().out
+    assert "NIC burst 262144 B; wake-up 1000 us; 2 cores for all hosts, receive CPU 0.300 ns/B" in out
+    from collectives.sim.__main__ import tbf_burst
+    assert (tbf_burst(spec), tbf_burst("tbf rate 1gbit burst 32kbit latency 1ms"), tbf_burst("netem delay 1ms")) == (
+        262144, 4096, 0)
