@@ -230,7 +230,7 @@ class SimRequest(Request):
                 self.tensor = self.tensor.clone()
         elif type(self.tensor) is CollectiveError:
             raise self.tensor
-        elif self.recv and sim._recv_cost:  # the receiver's CPU work on the message (Network.recv_cpu)
+        elif sim._recv_cost and self.recv:  # the receiver's CPU work on the message (Network.recv_cpu)
             cost = sim._recv_cost.pop(self, 0.0)
             if cost:
                 sim.compute(cost)
@@ -299,7 +299,7 @@ class Simulation:
         self._sends: dict[int, list[SimRequest]] = {}
         self._recvs: dict[int, list[SimRequest]] = {}
         self._anys: dict[int, _AnyWait] = {}  # per rank: its any-source wait in progress (wait_any)
-        self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...]]] = {}  # per pair src*n+dst
+        self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...], Any]] = {}  # per pair src*n+dst
         # (links with β = 0 never limit a flow: left out; all of them without contention)
         self._running: _Task | None = None
         self._hub: Any = None
@@ -510,12 +510,14 @@ class Simulation:
         route = self._routes.get(key)
         if route is None:
             route = self._routes[key] = self._route(src, dst)
-        alpha, beta, links, bucket, cpu = route
+        alpha, beta, links, extra = route
         size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
-        if cpu:
-            self._recv_cost[req] = size * cpu
-        if bucket is not None and size:
-            size = self._draw(bucket, size)
+        if extra is not None:  # a token bucket, a receive's CPU work (module docstring)
+            bucket, cpu = extra
+            if cpu:
+                self._recv_cost[req] = size * cpu
+            if bucket is not None and size:
+                size = self._draw(bucket, size)
         if size and links:
             self._start(req, links, beta, alpha, size)
         else:  # nothing to share: the closed form
@@ -539,14 +541,15 @@ class Simulation:
                 self._wake(self._anys[dst].task, self.now)
         return req
 
-    def _route(self, src: int, dst: int) -> tuple[float, float, tuple[tuple[int, float], ...], Any, float]:
-        """``(α, β, shared links, token bucket, receive CPU per byte)`` of a pair: the links a flow
-        shares are none without contention or a path's β (links of β = 0 never limit a flow)."""
+    def _route(self, src: int, dst: int) -> tuple[float, float, tuple[tuple[int, float], ...], Any]:
+        """``(α, β, shared links, extra)`` of a pair: the links a flow shares are none without
+        contention or a path's β (links of β = 0 never limit a flow); ``extra`` is None, or
+        ``(token bucket or None, receive CPU per byte)`` where the fabric has either."""
         alpha, beta, links = self.fabric.route(src, dst)
         shared = tuple((link, b) for link, b in links if b > 0) if beta and self.contention else ()
         bucket = self._burst_of(src, dst) if self._burst_of is not None and shared else None
         cpu = self._receive_cpu_of(src, dst) if self._receive_cpu_of is not None else 0.0
-        return alpha, beta, shared, bucket, cpu
+        return alpha, beta, shared, (bucket, cpu) if bucket is not None or cpu else None
 
     def _draw(self, bucket: tuple[int, float, float], size: float) -> float:
         """The bytes of a message of ``size`` left after it draws on ``bucket`` (``(link, depth,
