@@ -13,7 +13,7 @@ message takes one of two kinds of path:
   leaves also crosses its leaf's *uplink* and the other leaf's *downlink*, each of bandwidth
   ``hosts_per_switch * nics_per_host * NIC bandwidth / oversubscription``.
 
-Two optional terms model what an α/β link does not (both off by default, so a message alone on
+Three optional terms model what an α/β link does not (all off by default, so a message alone on
 its path still costs exactly the closed form):
 
 * **a token bucket on each NIC's egress** (``nic_burst`` bytes: tc ``tbf``'s ``burst``, a cloud
@@ -31,6 +31,9 @@ its path still costs exactly the closed form):
   on every CPU and take their fair shares of its cores too (a loaded machine: its load
   average), so a rank computing alone there gets ``cores / (1 + background)`` of a core when
   that is less than one. Without ``cores`` every rank has a core of its own.
+* **a wake-up latency** (``wake_latency``): a receive posted before its message arrives
+  completes that much after the arrival (its rank's thread is woken on busy cores and waits
+  for one); a message that was there first, and a send, cost nothing more.
 
 The messages in progress share every link max-min fairly (:mod:`collectives.transport.sim`:
 a fluid model of TCP's sharing): a message's last byte leaves its path when it has had its

@@ -21,7 +21,9 @@ Messages
     links' sharing, below) and queues the message on the pair's channel; ``irecv`` takes the
     pair's next message (messages of a pair match in posting order, as the contract says).
     A send completes at its arrival (eager: it does not wait for the receive to be posted), a
-    receive at ``max(arrival, its own posting time)``. Both times are predicted as soon as the
+    receive at ``max(arrival, its own posting time)`` (a receive posted before the arrival
+    completes the fabric's ``wake_latency`` later: its rank's thread is woken and waits for a
+    core; 0 by default). Both times are predicted as soon as the
     flow's rate is known and revised while it is in progress (a rank sleeping until the old
     time is rescheduled: each rank has one valid wake-up in the heap, the others go stale). The payload is copied when both sides are
     known; a send whose receiver has not posted yet keeps a reference to the sender's tensor and
@@ -699,7 +701,7 @@ class Simulation:
             del sharing[flow]
             if sharing:
                 dirty.append(next(iter(sharing)))
-            elif buckets and link in buckets:  # a drained token bucket refills from now
+            elif buckets and link in buckets:  # a drained token bucket refills from the flow's end
                 buckets[link] = (0.0, flow.end)
 
     def _publish(self, flow: _Flow) -> None:
