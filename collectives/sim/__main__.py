@@ -241,13 +241,13 @@ def validate(args: argparse.Namespace) -> None:
     local`` forces it), and its ``reduce`` link's β for every reduction
     (``Simulation(reduce_beta=...)``; ``--free-reductions``: none): each fitted from the fastest
     repetitions, or with ``--fits median`` from the medians (:func:`collectives.costmodel.measure`).
-    The emulated hosts' two terms beyond α/β (``Network``): the shaped link's token bucket
-    (``nic_burst``, from the run's ``tbf`` spec; ``--burst`` sets it, ``--no-burst`` drops it), and
-    one CPU for all hosts (they are namespaces of one machine: ``cores`` = the run's ``cpus``,
-    ``--cores`` sets it) on which every reduction and every receive between hosts (the run's
+    The emulated hosts' three terms beyond α/β (``Network``): the shaped link's token bucket
+    (``nic_burst``, from the run's ``tbf`` spec; ``--burst`` sets it, ``--no-burst`` drops it);
+    one CPU for all hosts (they are namespaces of one machine: ``cores`` = the run's ``cpus``, or
+    this machine's for a run that did not record them; ``--cores`` sets it) on which every reduction and every receive between hosts (the run's
     ``recv_cpu`` fit) is CPU work, sharing the cores with as many threads of other work as the
-    row's load average (``cpu_background``; ``--no-background``: none); ``--no-cpu`` drops the CPU.
-    With the fastest fits, a receive its rank waits for completes the expected wake-up after its
+    row's load average (``cpu_background``; ``--no-background``: none; ``--no-cpu`` drops the CPU);
+    and, with the fastest fits, the wake-up: a receive its rank waits for completes the expected wake-up after its
     arrival (``wake_latency``: the mean one-way latency's α less the fastest's; ``--no-wake``: at once)."""
     ratios: dict[tuple[str, int, int], list[float]] = {}
     loads: list[float] = []
