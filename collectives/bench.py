@@ -653,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in world_sizes:
         if args.hosts:
             result = _run_hosts(args.hosts, link, args.emulator, n, job)
+            for row in result:  # what `collectives.sim validate` models: the shaped link, the shared cores
+                row.update(hosts=args.hosts, link=link, cpus=len(os.sched_getaffinity(0)))
         elif "mpi" in peers:
             result = _run_under_mpiexec(argv if argv is not None else sys.argv[1:], n)
         else:

@@ -7,10 +7,14 @@ This module measures them and checks the formulas against the clock:
 * :func:`ping_pong` times round trips between two ranks at several sizes; one way is half the
   fastest round trip (the minimum filters out the scheduling noise of a busy host, which only
   ever adds time). :func:`exchange` times both ranks of a pair sending at once, as a ring step
-  does, on every host at the same time. Each keeps the median too: :func:`measure` fits both,
-  the fastest (what the links can do: ``predict``, ``tuning``) and the *typical* (``*_median``
+  does, on every host at the same time. Each keeps the median and the mean too: :func:`measure`
+  fits all three, the fastest (what the links can do: ``predict``, ``tuning``), the *expected*
+  (``*_mean``: the fastest's α less it is a waiting rank's wake-up, ``Network.wake_latency``) and the *typical* (``*_median``
   links: what a call on a busy host meets, the scheduling noise included; ``python -m
   collectives.sim validate --fits median`` simulates with these).
+* :func:`receive_cpu` measures the CPU a rank spends receiving a stream of messages (its process's
+  CPU time, every thread: the kernel's socket copies, the transport's I/O threads): its fit is
+  the ``recv_cpu`` link, ``β`` CPU seconds per byte received (the simulator's ``Network.recv_cpu``).
 * :func:`copy_times` times an all-gather over a host's shared regions, in which every rank
   copies the gathered bytes once: its fit is the ``shm`` link, ``α`` one synchronisation and
   ``β`` the seconds per byte *copied*, the unit of the shared-memory algorithms' costs.
@@ -41,13 +45,15 @@ from .transport.base import SharedRegions, Transport, wait_all
 from .tuning import Tuning
 
 PING_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+#: :func:`ping_pong` repeats messages up to 64 KiB this many times more than larger ones
+SMALL_REPEAT = 5
 
-#: ``(bytes, fastest seconds, median seconds)`` of one size
-Sample = tuple[int, float, float]
+#: ``(bytes, fastest seconds, median seconds, mean seconds)`` of one size
+Sample = tuple[int, float, float, float]
 
 
 def _sample(nbytes: int, times: Sequence[float], scale: float = 1.0) -> Sample:
-    return nbytes, min(times) * scale, statistics.median(times) * scale
+    return nbytes, min(times) * scale, statistics.median(times) * scale, statistics.fmean(times) * scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +74,11 @@ class Link:
 def ping_pong(
     transport: Transport, a: int, b: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
 ) -> list[Sample]:
-    """One-way times ``[(bytes, fastest, median)]`` between ranks ``a`` and ``b`` (others return ``[]``).
+    """One-way times ``[(bytes, fastest, median, mean)]`` between ranks ``a`` and ``b`` (others return ``[]``).
 
-    Rank ``a`` sends, ``b`` echoes; one way = the round trip / 2, of ``iters`` after one warm-up.
+    Rank ``a`` sends, ``b`` echoes; one way = the round trip / 2, of ``iters`` after one warm-up
+    (``SMALL_REPEAT`` times as many for sizes up to 64 KiB: cheap, and the mean of the smallest
+    is the expected latency, whose excess over the fastest is a wake-up on busy cores).
     """
     r = transport.rank
     if r not in (a, b) or a == b:
@@ -80,7 +88,7 @@ def ping_pong(
     for nbytes in sizes:
         buf = torch.zeros(nbytes, dtype=torch.uint8)
         trips = []
-        for i in range(iters + 1):
+        for i in range(iters * (SMALL_REPEAT if nbytes <= 64 << 10 else 1) + 1):
             start = time.perf_counter()
             if r == a:
                 transport.send(buf, peer)
@@ -97,7 +105,7 @@ def ping_pong(
 def exchange(
     transport: Transport, partner: int | None, sizes: Sequence[int] = PING_SIZES, iters: int = 10
 ) -> list[Sample]:
-    """Times ``[(bytes, fastest, median)]`` of swapping ``S`` bytes with ``partner`` (``[]`` without one).
+    """Times ``[(bytes, fastest, median, mean)]`` of swapping ``S`` bytes with ``partner`` (``[]`` without one).
 
     Both sides send and receive at once, as in a ring step; when every host's pair runs this at
     the same moment, the fit includes what the pairs cost each other (shared cores and memory:
@@ -118,8 +126,41 @@ def exchange(
     return samples
 
 
+def receive_cpu(
+    transport: Transport, src: int, dst: int, sizes: Sequence[int] = PING_SIZES, iters: int = 10
+) -> list[Sample]:
+    """CPU seconds ``[(bytes, fewest, median, mean)]`` rank ``dst`` spends per message of ``S`` bytes from ``src``
+    (others return ``[]``).
+
+    ``src`` sends ``iters`` messages back to back after one warm-up, ``dst`` receives them; each
+    receive is charged the receiving process's CPU time since the previous one returned
+    (``time.process_time``: every thread, its system time included: the kernel's copies out of
+    the socket, the transport's I/O threads, even for bytes read before the receive was posted),
+    not its wall time, so a loaded machine's waiting is left out.
+    """
+    r = transport.rank
+    if r not in (src, dst) or src == dst:
+        return []
+    samples = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        if r == src:
+            for _ in range(iters + 1):
+                transport.send(buf, dst)
+            continue
+        transport.recv(buf, src)  # the warm-up
+        used, last = [], time.process_time()
+        for _ in range(iters):
+            transport.recv(buf, src)
+            now = time.process_time()
+            used.append(now - last)
+            last = now
+        samples.append(_sample(nbytes, used))
+    return samples
+
+
 def copy_times(regions: SharedRegions, sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[Sample]:
-    """Times ``[(bytes, fastest, median)]`` of an all-gather of ``S`` bytes in all over shared regions.
+    """Times ``[(bytes, fastest, median, mean)]`` of an all-gather of ``S`` bytes in all over shared regions.
 
     Every rank copies its ``S / L`` bytes into its region, synchronises once and copies the
     other ``(L - 1)/L · S`` out: ``S`` bytes copied per rank, every rank of the host at once (as in
@@ -159,7 +200,7 @@ def fit(samples: Sequence[tuple[int, float]]) -> Link:
 
 
 def reduce_times(sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[Sample]:
-    """Times ``[(bytes, fastest, median)]`` of one float32 sum of ``S`` bytes into its first
+    """Times ``[(bytes, fastest, median, mean)]`` of one float32 sum of ``S`` bytes into its first
     operand (what a reduction step of an algorithm does: :func:`~collectives.ops.combine`), of
     ``iters`` after one warm-up. Its fit is the ``reduce`` link: ``β`` seconds per byte combined."""
     samples = []
@@ -176,42 +217,49 @@ def reduce_times(sizes: Sequence[int] = PING_SIZES, iters: int = 10) -> list[Sam
 
 
 #: the links :func:`measure` fits from the fastest of its repetitions
-FASTEST_KINDS = ("net", "local", "shm", "duplex", "reduce")
+FASTEST_KINDS = ("net", "local", "shm", "duplex", "reduce", "recv_cpu")
 #: every link :func:`measure` fits, in the order of its numbers: each kind from the fastest
-#: repetitions, then each from the medians (``net_median``, ...: the typical message)
-LINK_KINDS = FASTEST_KINDS + tuple(f"{kind}_median" for kind in FASTEST_KINDS)
+#: repetitions, then each from the medians (``net_median``, ...: the typical message), then from
+#: the means (``net_mean``, ...: the expected message; ``net_mean``'s α less ``net``'s is the
+#: expected wake-up of a waiting rank, ``python -m collectives.sim validate``)
+SUFFIXES = ("", "_median", "_mean")
+LINK_KINDS = tuple(f"{kind}{suffix}" for suffix in SUFFIXES for kind in FASTEST_KINDS)
 
 
 def measure(
     transport: Transport, layout: Layout, regions: SharedRegions | None = None, sizes: Sequence[int] = PING_SIZES
 ) -> dict[str, Link]:
-    """Fit ``"net"``, ``"local"``, ``"reduce"`` and, where they exist, ``"duplex"`` and ``"shm"``
-    links on every rank of the group (all must call it).
+    """Fit ``"net"``, ``"local"``, ``"reduce"`` and, where they exist, ``"duplex"``, ``"recv_cpu"``
+    and ``"shm"`` links on every rank of the group (all must call it).
 
     ``net``: ping-pong between rank 0 and the first rank of host 1, the others idle (one stream
     on the network, whose β is the host interface's). ``duplex``: the first ranks of hosts
     ``2i`` and ``2i + 1`` exchange, every pair at once (:func:`exchange`: both directions of every
     host's interface busy, as in a recursive-doubling step; emulated hosts that share a
-    machine's cores show what that costs them); rank 0's pair is fitted.
+    machine's cores show what that costs them); rank 0's pair is fitted. ``recv_cpu``: the first
+    rank of host 1 streams to rank 0 (:func:`receive_cpu`: CPU seconds per message received over
+    the network, not a time on the wire).
     ``local``: the first two ranks of *every*
     host exchange at once over ``transport`` (:func:`exchange`), like the intra-host steps of a
     flat algorithm. A missing kind of link gets the other's fit. ``shm``: every host's ranks time
     :func:`copy_times` on their shared ``regions`` (this rank's host's; the hierarchical
     algorithms' intra-host transport) at once; rank 0's host's fit is used. ``reduce``: every
     rank times :func:`reduce_times` at once (ranks share the cores); rank 0's fit. Rank 0 fits
-    and sends the numbers to all, so every rank returns the same links. Each kind is fitted twice:
-    from the fastest repetition of each size (``net``, ...) and from the medians (``net_median``,
-    ...; the module docstring).
+    and sends the numbers to all, so every rank returns the same links. Each kind is fitted three
+    times: from the fastest repetition of each size (``net``, ...), from the medians
+    (``net_median``, ...) and from the means (``net_mean``, ...; the module docstring).
     """
     r = transport.rank
     fits = torch.full((2 * len(LINK_KINDS),), math.nan, dtype=torch.float64)
-    for kind in ("net", "local", "net_median", "local_median"):
-        at = 2 * LINK_KINDS.index(kind)
-        fits[at : at + 2] = 0.0
+    for kind in ("net", "local"):
+        for suffix in SUFFIXES:
+            at = 2 * LINK_KINDS.index(kind + suffix)
+            fits[at : at + 2] = 0.0
 
     def keep(kind: str, samples: list[Sample]) -> None:
         if r == 0:
-            for name, column in ((kind, 1), (f"{kind}_median", 2)):
+            for column, suffix in enumerate(SUFFIXES, 1):
+                name = kind + suffix
                 at = 2 * LINK_KINDS.index(name)
                 link = fit([(sample[0], sample[column]) for sample in samples])
                 fits[at : at + 2] = torch.tensor(dataclasses.astuple(link), dtype=torch.float64)
@@ -221,6 +269,7 @@ def measure(
         leaders = [h[0] for h in layout.hosts[: len(layout.hosts) // 2 * 2]]  # host 2i with host 2i + 1
         partners = {a: b for x, y in zip(leaders[::2], leaders[1::2]) for a, b in ((x, y), (y, x))}
         keep("duplex", exchange(transport, partners.get(r), sizes))
+        keep("recv_cpu", receive_cpu(transport, layout.hosts[1][0], 0, sizes))
     if len(layout.hosts[0]) > 1:
         pair = layout.local(r)[:2]
         keep("local", exchange(transport, pair[1 - pair.index(r)] if r in pair else None, sizes))
@@ -233,12 +282,12 @@ def measure(
         transport.recv(fits, 0)
     found = {kind: Link(*fits[2 * i : 2 * i + 2].tolist()) for i, kind in enumerate(LINK_KINDS)}
     links = {}
-    for suffix in ("", "_median"):
+    for suffix in SUFFIXES:
         net, local = found[f"net{suffix}"], found[f"local{suffix}"]
         links[f"net{suffix}"] = net if layout.spans_hosts else local
         links[f"local{suffix}"] = local if len(layout.hosts[0]) > 1 else net
         links[f"reduce{suffix}"] = found[f"reduce{suffix}"]
-        for kind in ("shm", "duplex"):
+        for kind in ("shm", "duplex", "recv_cpu"):
             if not math.isnan(found[f"{kind}{suffix}"].alpha):
                 links[f"{kind}{suffix}"] = found[f"{kind}{suffix}"]
     return links

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -61,16 +62,24 @@ def _network_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-gbps", type=float, help="NIC bandwidth in GB/s (default 12.5)")
     g.add_argument("--intra-us", type=float, help="intra-host latency α in µs (default 2)")
     g.add_argument("--intra-gbps", type=float, help="intra-host bandwidth in GB/s (default 20)")
+    g.add_argument("--nic-burst", type=parse_size, default=0, help="a NIC's token bucket in bytes (tbf burst; default 0)")
+    g.add_argument("--cores", type=int, default=0,
+                   help="cores per CPU, shared by its ranks' CPU work (default 0: a core per rank)")
+    g.add_argument("--hosts-per-cpu", type=int, default=1, help="hosts sharing one CPU (default 1)")
+    g.add_argument("--recv-cpu-ns", type=float, default=0.0,
+                   help="CPU ns per byte received from another host (default 0; with --links: its recv_cpu fit)")
     g.add_argument("--no-contention", action="store_true", help="every message as if alone on its links")
 
 
 def network_from(args: argparse.Namespace, hosts: int | None = None) -> Network:
     """The :class:`Network` the arguments describe (``hosts`` overrides ``--hosts``)."""
-    inter, intra = DEFAULT_INTER, DEFAULT_INTRA
+    inter, intra, recv_cpu = DEFAULT_INTER, DEFAULT_INTRA, args.recv_cpu_ns * 1e-9
     if args.links:
         fitted = links_from_bench(args.links)
         inter = fitted.get("net", inter)
         intra = fitted.get("local", intra)
+        if not args.recv_cpu_ns and "recv_cpu" in fitted:
+            recv_cpu = fitted["recv_cpu"].beta
     if args.inter_us is not None or args.inter_gbps is not None:
         inter = Link(
             inter.alpha if args.inter_us is None else args.inter_us * 1e-6,
@@ -83,7 +92,7 @@ def network_from(args: argparse.Namespace, hosts: int | None = None) -> Network:
         )
     return Network(
         args.hosts if hosts is None else hosts, args.ranks_per_host, intra, inter, args.nics,
-        args.hosts_per_switch, args.oversubscription,
+        args.hosts_per_switch, args.oversubscription, args.nic_burst, args.cores, args.hosts_per_cpu, recv_cpu,
     )
 
 
@@ -199,6 +208,27 @@ def intra_from_shm(shm: Link) -> Link:
     return Link(shm.alpha, 2 * shm.beta)
 
 
+_TC_UNITS = {"b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 1024**3, "gb": 1024**3,
+             "kbit": 1024 / 8, "mbit": 1024**2 / 8, "gbit": 1024**3 / 8}
+
+
+def tbf_burst(spec: str | None) -> float:
+    """The bucket depth in bytes of a ``tbf ... burst SIZE ...`` qdisc spec (tc's units: ``kb`` and
+    ``k`` are 1,024 bytes, ``kbit`` 1,024 bits); 0 for any other spec or none."""
+    words = (spec or "").split()
+    if not words or words[0] != "tbf":
+        return 0.0
+    for key in ("burst", "buffer", "maxburst"):  # tc's synonyms
+        if key in words[:-1]:
+            value = words[words.index(key) + 1].split("/")[0].lower()
+            number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+            unit = value[len(number):] or "b"
+            if unit not in _TC_UNITS:
+                raise ValueError(f"tbf spec {spec!r}: unknown size unit {unit!r}")
+            return float(number) * _TC_UNITS[unit]
+    return 0.0
+
+
 def validate(args: argparse.Namespace) -> None:
     """Simulate every row of ``collectives.bench --hosts H --model --json`` runs with the links
     each fitted, on ``H`` hosts, and print measured vs simulated time; given several runs, also
@@ -210,7 +240,15 @@ def validate(args: argparse.Namespace) -> None:
     :func:`intra_from_shm` of its ``shm`` link where it has one (else ``local``; ``--intra
     local`` forces it), and its ``reduce`` link's β for every reduction
     (``Simulation(reduce_beta=...)``; ``--free-reductions``: none): each fitted from the fastest
-    repetitions, or with ``--fits median`` from the medians (:func:`collectives.costmodel.measure`)."""
+    repetitions, or with ``--fits median`` from the medians (:func:`collectives.costmodel.measure`).
+    The emulated hosts' three terms beyond α/β (``Network``): the shaped link's token bucket
+    (``nic_burst``, from the run's ``tbf`` spec; ``--burst`` sets it, ``--no-burst`` drops it);
+    one CPU for all hosts (they are namespaces of one machine: ``cores`` = the run's ``cpus``, or
+    this machine's for a run that did not record them; ``--cores`` sets it) on which every reduction and every receive between hosts (the run's
+    ``recv_cpu`` fit) is CPU work, sharing the cores with as many threads of other work as the
+    row's load average (``cpu_background``; ``--no-background``: none; ``--no-cpu`` drops the CPU);
+    and, with the fastest fits, the wake-up: a receive its rank waits for completes the expected wake-up after its
+    arrival (``wake_latency``: the mean one-way latency's α less the fastest's; ``--no-wake``: at once)."""
     ratios: dict[tuple[str, int, int], list[float]] = {}
     loads: list[float] = []
     for path in args.bench:
@@ -235,14 +273,22 @@ def _validate_run(path: str, args: argparse.Namespace) -> list[tuple[tuple[str, 
     if fits == "median" and "net_median" not in fitted:
         raise SystemExit(f"{path}: no median fits (net_median_alpha...): a run from before they were recorded")
     suffix = "_median" if fits == "median" else ""
-    links = {kind: fitted[kind + suffix] for kind in ("net", "local", "shm", "reduce") if kind + suffix in fitted}
+    links = {kind: fitted[kind + suffix] for kind in ("net", "local", "shm", "reduce", "recv_cpu")
+             if kind + suffix in fitted}
     if args.intra == "shm" and "shm" in links:
         intra = intra_from_shm(links["shm"])
     else:
         intra = links.get("local", DEFAULT_INTRA)
     reduce_beta = links["reduce"].beta if "reduce" in links and not args.free_reductions else 0.0
+    burst = 0.0 if args.no_burst else args.burst if args.burst is not None else tbf_burst(rows[0].get("link"))
+    cores = 0 if args.no_cpu else args.cores or rows[0].get("cpus") or len(os.sched_getaffinity(0))
+    recv_cpu = links["recv_cpu"].beta if "recv_cpu" in links and cores else 0.0
+    wake = 0.0
+    if fits == "fastest" and not args.no_wake and "net_mean" in fitted:  # the expected message's extra: a wake-up
+        wake = max(0.0, fitted["net_mean"].alpha - fitted["net"].alpha)
     print(f"# {path} ({fits} fits): inter {links.get('net', DEFAULT_INTER)}; intra {intra}; "
-          f"reductions {reduce_beta * 1e9:.3f} ns/B")
+          f"reductions {reduce_beta * 1e9:.3f} ns/B; NIC burst {burst:.0f} B; wake-up {wake * 1e6:.0f} us; "
+          + (f"{cores} cores for all hosts, receive CPU {recv_cpu * 1e9:.3f} ns/B" if cores else "no CPU model"))
     loads = [row["load_average"] for row in rows if "load_average" in row]
     if loads:  # the measured times drift with the machine's load (docs/DESIGN.md §11)
         print(f"# load average (1 min) at the measured rows: {min(loads):.1f}-{max(loads):.1f}")
@@ -250,7 +296,10 @@ def _validate_run(path: str, args: argparse.Namespace) -> list[tuple[tuple[str, 
     found = []
     for row in rows:
         n = row["world_size"]
-        net = Network(args.hosts, n // args.hosts, intra, links.get("net", DEFAULT_INTER))
+        background = row.get("load_average", 0.0) if cores and not args.no_background else 0.0
+        net = Network(args.hosts, n // args.hosts, intra, links.get("net", DEFAULT_INTER), nic_burst=burst,
+                      cores=cores, hosts_per_cpu=args.hosts, recv_cpu=recv_cpu, cpu_background=background,
+                      wake_latency=wake)
         algorithm = row["algorithm"] if row["algorithm"] in ALGORITHMS.get(row["op"], ()) else "auto"
         tuning = Tuning(**row["tuning"]) if "tuning" in row else Tuning()  # the bench's group default
         result, _ = time_collective(net, row["op"], row["bytes"], algorithm, exact=True, tuning=tuning,
@@ -308,6 +357,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="links fitted from the fastest of each size's repetitions (default: what the links can do) "
                         "or from the medians (the typical message on the loaded machine: docs/DESIGN.md §11 "
                         "measured both)")
+    v.add_argument("--burst", type=parse_size, help="NIC token bucket in bytes (default: the run's tbf burst)")
+    v.add_argument("--no-burst", action="store_true", help="no token bucket")
+    v.add_argument("--cores", type=int, help="cores shared by all hosts' CPU work (default: the run's cpus)")
+    v.add_argument("--no-background", action="store_true",
+                   help="the CPU's cores are the ranks' alone (default: shared with as many threads of other work "
+                        "as the row's load average)")
+    v.add_argument("--no-wake", action="store_true", help="no wake-up latency")
+    v.add_argument("--no-cpu", action="store_true",
+                   help="no CPU model: reductions last their time on a core of their own, receives cost no CPU")
     v.set_defaults(fn=validate)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):

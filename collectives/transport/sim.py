@@ -21,7 +21,9 @@ Messages
     links' sharing, below) and queues the message on the pair's channel; ``irecv`` takes the
     pair's next message (messages of a pair match in posting order, as the contract says).
     A send completes at its arrival (eager: it does not wait for the receive to be posted), a
-    receive at ``max(arrival, its own posting time)``. Both times are predicted as soon as the
+    receive at ``max(arrival, its own posting time)`` (a receive posted before the arrival
+    completes the fabric's ``wake_latency`` later: its rank's thread is woken and waits for a
+    core; 0 by default). Both times are predicted as soon as the
     flow's rate is known and revised while it is in progress (a rank sleeping until the old
     time is rescheduled: each rank has one valid wake-up in the heap, the others go stale). The payload is copied when both sides are
     known; a send whose receiver has not posted yet keeps a reference to the sender's tensor and
@@ -69,12 +71,27 @@ Deadlock and failure
     rank ``2^k``) thus raises at once instead of timing out. A rank that raises ends; the ranks
     waiting on it get that error in turn.
 
+Token buckets
+    A fabric may give a message a token bucket to draw from (``Fabric.burst``: its sender's NIC
+    egress, ``Network.nic_burst``). A message posted while that link carries nothing takes up to
+    the bucket's tokens at once (those bytes cross the path instantly, as through a shaper's
+    burst); the rest is its flow. The tokens refill at the link's rate while it is idle, up to
+    the bucket's depth; a link that carries a flow has none left (its backlog drains them). Only
+    with ``contention`` (the bucket is the link's state).
+
 Local work
-    Reductions cost virtual time when ``reduce_beta`` (seconds per byte combined) is set: inside
-    a collective on a :class:`SimTransport`, every :func:`~collectives.ops.combine` first sleeps
-    its output's bytes (times the byte scale) times ``reduce_beta`` (the hook
-    :data:`collectives.ops.combine_cost`). Copies that are not reductions (staging, unpacking)
-    stay free; the default 0 keeps the pure network model of the closed forms.
+    :meth:`Simulation.compute` is a rank's CPU work: with a fabric that has CPUs
+    (``Fabric.cpu_path``: ``Network.cores``) it is a flow of CPU seconds over the rank's thread
+    (one core) and its CPU's cores, shared max-min fairly with the other ranks computing at once,
+    as links are; else (or without ``contention``) it lasts its seconds. Two kinds of work use
+    it. Reductions, when ``reduce_beta`` (seconds per byte combined) is set: inside a collective on a
+    :class:`SimTransport`, every :func:`~collectives.ops.combine` first computes its output's
+    bytes (times the byte scale) times ``reduce_beta`` (the hook
+    :data:`collectives.ops.combine_cost`). Receives, when the fabric charges them
+    (``Fabric.receive_cpu``: ``Network.recv_cpu`` between hosts): a receive that completes
+    computes its bytes (as the fabric saw them) times that, when its rank waits for it. Other
+    copies (staging, unpacking) stay free; the defaults keep the pure network model of the
+    closed forms.
 
 Timing only
     ``byte_scale`` multiplies every message's bytes as the fabric sees them, and ``copy=False``
@@ -131,6 +148,13 @@ class Fabric(Protocol):
     def route(self, src: int, dst: int) -> tuple[float, float, tuple[tuple[int, float], ...]]:
         """``(α, β, ((link, β_link), ...))`` of a message from ``src`` to ``dst``; ``β`` is the
         path's (its slowest link's) seconds per byte."""
+
+    # Optional (a fabric without them has no token buckets and no CPUs; see Network):
+    # burst(src, dst) -> (link, bytes, β) | None: the token bucket a message draws from;
+    # cpu_path(rank) -> ((link, β), ...): the links its CPU work crosses, "bytes" being CPU seconds;
+    # background_flows -> {link: flows}: flows of other work always on those links (a CPU's other threads);
+    # receive_cpu(src, dst) -> float: CPU seconds per byte the receiver spends on a message;
+    # wake_latency: seconds a receive posted before its message arrives completes after the arrival.
 
 
 class _Task:
@@ -208,6 +232,10 @@ class SimRequest(Request):
                 self.tensor = self.tensor.clone()
         elif type(self.tensor) is CollectiveError:
             raise self.tensor
+        elif sim._recv_cost and self.recv:  # the receiver's CPU work on the message (Network.recv_cpu)
+            cost = sim._recv_cost.pop(self, 0.0)
+            if cost:
+                sim.compute(cost)
 
     def is_completed(self) -> bool:
         return self.done_at is not None and self.done_at <= self.sim.now
@@ -273,10 +301,19 @@ class Simulation:
         self._sends: dict[int, list[SimRequest]] = {}
         self._recvs: dict[int, list[SimRequest]] = {}
         self._anys: dict[int, _AnyWait] = {}  # per rank: its any-source wait in progress (wait_any)
-        self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...]]] = {}  # per pair src*n+dst
+        self._routes: dict[int, tuple[float, float, tuple[tuple[int, float], ...], Any]] = {}  # per pair src*n+dst
         # (links with β = 0 never limit a flow: left out; all of them without contention)
         self._running: _Task | None = None
         self._hub: Any = None
+        # optional parts of the fabric (module docstring: token buckets, local work)
+        self._burst_of = getattr(fabric, "burst", None) if contention else None
+        self._cpu_of = getattr(fabric, "cpu_path", None) if contention else None
+        self._receive_cpu_of = getattr(fabric, "receive_cpu", None)
+        self.wake = float(getattr(fabric, "wake_latency", 0.0))  # a posted receive completes this long after its arrival
+        self._buckets: dict[int, tuple[float, float]] = {}  # per bucket link: (tokens, since when idle)
+        self._phantoms: dict[int, float] = dict(getattr(fabric, "background_flows", {})) if contention else {}
+        self._cpu_paths: dict[int, tuple[tuple[tuple[int, float], ...], float]] = {}  # per rank: (links, path β)
+        self._recv_cost: dict[SimRequest, float] = {}  # CPU seconds a send / its receive will cost the receiver
 
     # ------------------------------------------------------------------ running ranks
 
@@ -347,6 +384,8 @@ class Simulation:
             self._on.clear()
             self._lone = [None] * len(self._lone)
             self._dirty.clear()
+            self._buckets.clear()
+            self._recv_cost.clear()
             self._sends.clear()
             self._recvs.clear()
             self._anys.clear()
@@ -432,6 +471,33 @@ class Simulation:
         if when > self.now:
             self._until(task, when)
 
+    def compute(self, seconds: float) -> None:
+        """Run ``seconds`` of CPU work (times the rank's slowdown) on the calling rank: on its
+        thread and its CPU's cores when the fabric has CPUs, shared max-min fairly with the other
+        ranks' work at the same time; else it lasts ``seconds`` (module docstring, "Local work")."""
+        task = self._running
+        if task is None:
+            raise RuntimeError("Simulation.compute: call it from a virtual rank")
+        seconds *= self.slowdown.get(task.rank, 1.0)
+        if seconds <= 0:
+            return
+        start = self.now
+        found = self._cpu_paths.get(task.rank)
+        if found is None:
+            path = self._cpu_of(task.rank) if self._cpu_of is not None else ()
+            # alone, at the slowest of its links' rates; a link with other work is shared with it
+            beta = max((b * (1.0 + self._phantoms.get(link, 0.0)) for link, b in path), default=0.0)
+            found = self._cpu_paths[task.rank] = (path, beta)
+        path, beta = found
+        if path:
+            work = SimRequest(self, False, task.rank, task.rank, _NOTHING, "compute")
+            self._start(work, path, beta, 0.0, seconds)
+            self._wait(work)
+        else:
+            self._until(task, self.now + seconds)
+        if self.events is not None:
+            self._event(task.rank, "cpu", start, self.now, {"cpu_s": seconds})
+
     # ------------------------------------------------------------------ messages
 
     def isend(
@@ -444,12 +510,16 @@ class Simulation:
         self.messages += 1
         key = src * self.world_size + dst
         route = self._routes.get(key)
-        if route is None:  # the links a flow shares: none without contention or a path's β
-            alpha, beta, links = self.fabric.route(src, dst)
-            shared = tuple((link, b) for link, b in links if b > 0) if beta and self.contention else ()
-            route = self._routes[key] = (alpha, beta, shared)
-        alpha, beta, links = route
+        if route is None:
+            route = self._routes[key] = self._route(src, dst)
+        alpha, beta, links, extra = route
         size = req.nbytes * (self.byte_scale if byte_scale is None else byte_scale)
+        if extra is not None:  # a token bucket, a receive's CPU work (module docstring)
+            bucket, cpu = extra
+            if cpu:
+                self._recv_cost[req] = size * cpu
+            if bucket is not None and size:
+                size = self._draw(bucket, size)
         if size and links:
             self._start(req, links, beta, alpha, size)
         else:  # nothing to share: the closed form
@@ -473,6 +543,39 @@ class Simulation:
                 self._wake(self._anys[dst].task, self.now)
         return req
 
+    def _route(self, src: int, dst: int) -> tuple[float, float, tuple[tuple[int, float], ...], Any]:
+        """``(α, β, shared links, extra)`` of a pair: the links a flow shares are none without
+        contention or a path's β (links of β = 0 never limit a flow); ``extra`` is None, or
+        ``(token bucket or None, receive CPU per byte)`` where the fabric has either."""
+        alpha, beta, links = self.fabric.route(src, dst)
+        shared = tuple((link, b) for link, b in links if b > 0) if beta and self.contention else ()
+        bucket = self._burst_of(src, dst) if self._burst_of is not None and shared else None
+        cpu = self._receive_cpu_of(src, dst) if self._receive_cpu_of is not None else 0.0
+        return alpha, beta, shared, (bucket, cpu) if bucket is not None or cpu else None
+
+    def _draw(self, bucket: tuple[int, float, float], size: float) -> float:
+        """The bytes of a message of ``size`` left after it draws on ``bucket`` (``(link, depth,
+        β)``: module docstring, "Token buckets"): all of them while the link carries a flow."""
+        link, depth, beta = bucket
+        now = self.now
+        note = self._lone[link]
+        if note is not None and note[0] > now:
+            return size
+        sharing = self._on.get(link)
+        if sharing:
+            self._drop_ended(sharing)
+            if sharing:
+                return size
+        tokens, since = self._buckets.get(link, (depth, -math.inf))
+        if since == math.inf:  # drained by a flow that has ended since: idle from its end
+            since = note[0] if note is not None else now
+        tokens = min(depth, tokens + (now - since) / beta) if beta > 0 else depth
+        if size <= tokens:
+            self._buckets[link] = (tokens - size, now)
+            return 0.0
+        self._buckets[link] = (0.0, math.inf)  # busy: idle again from its flows' end
+        return size - tokens
+
     def irecv(self, tensor: torch.Tensor, dst: int, src: int, op: str, channel: int = 0) -> SimRequest:
         """Post a receive on ``dst`` of the next message from ``src`` on ``channel``."""
         req = SimRequest(self, True, dst, src, tensor, op)
@@ -495,6 +598,10 @@ class Simulation:
         """Match ``send`` with ``recv``: copy the payload; the receive completes at the send's
         arrival, once that is known (and again if it is revised: :meth:`_publish`)."""
         send.held = False
+        if self._recv_cost:
+            cost = self._recv_cost.pop(send, 0.0)
+            if cost:
+                self._recv_cost[recv] = cost
         if send.nbytes != recv.nbytes:
             err = CollectiveError(
                 f"{recv.op}: virtual rank {recv.rank} posted a receive of {recv.nbytes} bytes from rank "
@@ -510,13 +617,14 @@ class Simulation:
         send.match = recv
         arrival = send.done_at
         if arrival is not None:  # as _arrive does (one call less per message)
-            recv.done_at = done = arrival if arrival > recv.posted else recv.posted
+            recv.done_at = done = arrival + self.wake if arrival > recv.posted else recv.posted
             if recv.waiter is not None:
                 self._wake(recv.waiter, done)
 
     def _arrive(self, recv: SimRequest, arrival: float) -> None:
-        """Complete ``recv`` at ``max(arrival, its posting)``; wake its rank then if it waits."""
-        recv.done_at = done = arrival if arrival > recv.posted else recv.posted
+        """Complete ``recv`` at its arrival (plus the wake-up latency) if it was posted before, else
+        at its posting; wake its rank then if it waits."""
+        recv.done_at = done = arrival + self.wake if arrival > recv.posted else recv.posted
         if recv.waiter is not None:
             self._wake(recv.waiter, done)
 
@@ -587,12 +695,14 @@ class Simulation:
         """``flow`` has ended (now): free its links and have the flows left on them re-rated.
         Its arrival was published already (:meth:`_publish`)."""
         flow.done = True
-        on, dirty = self._on, self._dirty
+        on, dirty, buckets = self._on, self._dirty, self._buckets
         for link, _ in flow.links:
             sharing = on[link]
             del sharing[flow]
             if sharing:
                 dirty.append(next(iter(sharing)))
+            elif buckets and link in buckets:  # a drained token bucket refills from the flow's end
+                buckets[link] = (0.0, flow.end)
 
     def _publish(self, flow: _Flow) -> None:
         """``flow``'s end is (newly) ``flow.end``: its send arrives ``α`` later, and so its receive
@@ -646,6 +756,9 @@ class Simulation:
             flow.since = now
         room = {link: 1.0 / b for link, b in links.items()}
         count = {link: len(on[link]) for link in links}
+        if self._phantoms:  # flows of other work that never end (a CPU's other threads)
+            for link in links:
+                count[link] += self._phantoms.get(link, 0.0)
         shares = [(room[link] / count[link], link) for link in links if count[link]]
         heapq.heapify(shares)
         while shares:
@@ -867,10 +980,10 @@ class SimTransport(Transport):
 
     @contextlib.contextmanager
     def _charging_reductions(self) -> Iterator[None]:
-        """Inside the block, every reduction of this rank sleeps its bytes times ``reduce_beta``."""
+        """Inside the block, every reduction of this rank computes its bytes times ``reduce_beta``."""
         sim = self.sim
         per_byte = sim.reduce_beta * (sim.byte_scale if self.byte_scale is None else self.byte_scale)
-        token = combine_cost.set(lambda nbytes: sim.sleep(nbytes * per_byte))
+        token = combine_cost.set(lambda nbytes: sim.compute(nbytes * per_byte))
         try:
             yield
         finally:

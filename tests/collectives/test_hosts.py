@@ -276,6 +276,9 @@ def test_bench_between_hosts_with_a_shaped_link(tmp_path, capsys):
         ("all_reduce", "broadcast", "all_gather", "reduce_scatter"), "hierarchical")
     assert all(r["wrong"] == 0 and r["model_us"] > 0 for r in rows)
     assert rows[0]["net_beta"] > 2e-9  # the 1 Gbit/s bucket is slower than the veth
+    # what `collectives.sim validate` models beyond α/β: the link's spec, the CPUs, a receive's CPU
+    assert (rows[0]["link"], rows[0]["hosts"]) == (f"tbf {tbf}", 2) and rows[0]["cpus"] >= 1
+    assert rows[0]["recv_cpu_beta"] > 0 and rows[0]["net_mean_alpha"] >= rows[0]["net_alpha"]
 
 
 

@@ -397,6 +397,105 @@ def test_reductions_cost_their_bytes_times_reduce_beta() -> None:
     assert one == pytest.approx(alone + (n - 1) * 4000 * per_byte, rel=1e-9)  # one segment: every combine waits
 
 
+def test_a_nic_token_bucket_lets_its_burst_out_at_once_and_refills_while_idle() -> None:
+    """``Network.nic_burst`` (tc tbf's burst ``B``): the first message on an idle NIC takes ``α +
+    (S - B)β``; the bucket refills at the NIC's rate while it is idle (here ``α`` between a send's
+    arrival and the next post: ``α/β`` tokens), so idle time up to ``Bβ`` is given back; a message
+    smaller than the tokens crosses at once."""
+    nbytes, burst, link = 1 << 20, 256 << 10, Link(1e-5, 1e-9)
+    a, sb, bb = link.alpha, nbytes * link.beta, burst * link.beta
+    s = Simulation(dataclasses.replace(Network.flat(3, link), nic_burst=burst))
+
+    def body(rank: int) -> list[float]:
+        tr, t, times = SimTransport(s, rank), torch.zeros(nbytes // 4), []
+        if rank == 0:
+            for peer, idle in ((1, 0.0), (2, 0.0), (1, bb / 2), (1, 2 * bb)):
+                s.sleep(idle)
+                tr.send(t, peer)  # returns at the arrival
+                times.append(s.now)
+            tr.send(t[: 1000 // 4], 2)  # α/β = 10,000 tokens since the last flow ended: enough
+            times.append(s.now)
+        else:
+            for m in ((nbytes, 1000) if rank == 2 else (nbytes,) * 3):
+                tr.recv(torch.empty(m // 4), 0)
+        return times
+
+    first = a + sb - bb
+    second = first + sb  # α/β tokens: its α is given back
+    third = second + sb  # idle bb/2 more: given back too
+    fourth = third + 2 * bb + a + sb - bb  # idle 2·Bβ: the bucket holds B, no more
+    assert s.run(body)[0] == pytest.approx([first, second, third, fourth, fourth + a], rel=1e-9)
+
+
+def test_cpu_work_shares_the_cores_and_receives_cost_their_cpu() -> None:
+    """``Network.cores``: ranks computing at once share their CPU's cores, each on at most one;
+    ``recv_cpu``: a receive between hosts costs its bytes times that in CPU work once it has
+    arrived; reductions run on the cores too. Without cores, every rank has one of its own."""
+    work, nbytes, link, per_byte = 1e-3, 1 << 20, Link(1e-5, 1e-9), 0.5e-9
+
+    def computing(net: Network, ranks: list[int]) -> list[float]:
+        s = Simulation(net)
+
+        def body(rank: int) -> float:
+            if rank in ranks:
+                s.compute(work)
+            return s.now
+
+        return s.run(body)
+
+    four = Network(4, 1, INTRA, link, cores=2, hosts_per_cpu=4)  # 4 hosts on one machine of 2 cores
+    assert computing(four, [0, 1]) == pytest.approx([work, work, 0, 0], rel=1e-12)
+    assert computing(four, [0, 1, 2, 3]) == pytest.approx([2 * work] * 4, rel=1e-12)
+    own = Network(4, 1, INTRA, link, cores=2)  # a CPU per host: no sharing between hosts
+    assert computing(own, [0, 1, 2, 3]) == pytest.approx([work] * 4, rel=1e-12)
+    busy = dataclasses.replace(four, cpu_background=2.0)  # two threads of other work take their shares
+    assert computing(busy, [0]) == pytest.approx([1.5 * work, 0, 0, 0], rel=1e-12)  # 2 cores / 3 threads
+    assert computing(busy, [0, 1, 2, 3]) == pytest.approx([3 * work] * 4, rel=1e-12)  # 2 / 6
+    assert computing(Network(4, 1, INTRA, link), [0, 1, 2, 3]) == pytest.approx([work] * 4, rel=1e-12)
+    # every pair exchanges S at once (recursive doubling's round): each receive then costs S·c of
+    # CPU, four ranks on two cores: 2·S·c after the arrival
+    for cores, factor in ((2, 2.0), (4, 1.0)):
+        net = Network(4, 1, INTRA, link, cores=cores, hosts_per_cpu=4, recv_cpu=per_byte)
+        s = Simulation(net)
+
+        def exchange(rank: int) -> float:
+            t = torch.zeros(nbytes // 4)
+            wait_all(SimTransport(s, rank).post(sends=[(t, rank ^ 1)], recvs=[(torch.empty_like(t), rank ^ 1)]))
+            return s.now
+
+        expected = link.alpha + nbytes * link.beta + factor * nbytes * per_byte
+        assert s.run(exchange) == pytest.approx([expected] * 4, rel=1e-12)
+    # reductions: a 4-rank recursive doubling combines S twice per rank, 4 ranks on 2 cores
+    net = Network(4, 1, INTRA, link, cores=2, hosts_per_cpu=4)
+    free = study.time_collective(net, "all_reduce", nbytes, "recursive_doubling", exact=True)[0].seconds
+    charged = study.time_collective(net, "all_reduce", nbytes, "recursive_doubling", exact=True,
+                                    reduce_beta=per_byte)[0].seconds
+    assert charged == pytest.approx(free + 2 * 2 * nbytes * per_byte, rel=1e-9)
+
+
+def test_a_waiting_receiver_resumes_its_wake_up_latency_after_the_arrival() -> None:
+    """``Network.wake_latency`` ``ω``: a receive posted before its message arrives completes ``ω``
+    after the arrival (its rank's thread is woken on busy cores); one posted after the arrival
+    completes at once, and sends are not delayed."""
+    nbytes, wake, link = 1 << 20, 2e-3, Link(1e-5, 1e-9)
+    arrival = link.alpha + nbytes * link.beta
+    s = Simulation(dataclasses.replace(Network.flat(3, link), wake_latency=wake))
+
+    def body(rank: int) -> float:
+        tr, t = SimTransport(s, rank), torch.zeros(nbytes // 4)
+        if rank == 0:
+            wait_all(tr.post(sends=[(t, 1), (t, 2)]))  # on one NIC: both arrive at α + 2Sβ
+        elif rank == 1:
+            tr.recv(t, 0)
+        else:
+            s.sleep(1.0)  # long after the arrival
+            tr.recv(t, 0)
+        return s.now
+
+    shared = arrival + nbytes * link.beta
+    assert s.run(body) == pytest.approx([shared, shared + wake, 1.0], rel=1e-12)
+
+
 # ---------------------------------------------------------------------------- failures, DDP, CLI
 
 
@@ -525,3 +624,13 @@ def test_validate_command_simulates_a_bench_run_with_its_fitted_links(tmp_path, 
     # the root posts its two sends at once and its link shares them (TCP measured so): both end
     # at 2Sβ (first come, first served would end the first at Sβ); then one forward: 3Sβ + 2α
     assert f"{(3 * (16 << 20) * 8e-9 + 2 * 1e-4) * 1e6:.0f}" in out
+    # a run that recorded its shaped link, its CPUs and the fits of the terms beyond α/β
+    spec = "tbf rate 1gbit burst 256kb latency 50ms"
+    path.write_text(json.dumps([dict(tree, link=spec, cpus=2, load_average=3.0, recv_cpu_alpha=4e-5,
+                                     recv_cpu_beta=3e-10, net_mean_alpha=1.1e-3, net_mean_beta=8e-9)]))
+    main(["validate", str(path), "--hosts", "4"])
+    out = capsys.readouterr().out
+    assert "NIC burst 262144 B; wake-up 1000 us; 2 cores for all hosts, receive CPU 0.300 ns/B" in out
+    from collectives.sim.__main__ import tbf_burst
+    assert (tbf_burst(spec), tbf_burst("tbf rate 1gbit burst 32kbit latency 1ms"), tbf_burst("netem delay 1ms")) == (
+        262144, 4096, 0)
