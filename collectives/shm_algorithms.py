@@ -284,6 +284,7 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
         else:
             _one_shot(regions, buf, op, signature)
         return
+    fold = regions.fold_kernel(dtype, op)
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
         piece = buf[lo:hi]
         bounds = balanced_bounds(hi - lo, n)
@@ -295,9 +296,14 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
         regions.step(everyone)
         if b > a:
             operands = [piece[a:b] if q == r else regions.view(q, h, buf.dtype, b)[a:b] for q in everyone]
-            _reduce_into(op, mine[a:b], operands)
-            finish(op, mine[a:b], n)
-            piece[a:b].copy_(mine[a:b])
+            if fold is None:
+                _reduce_into(op, mine[a:b], operands)
+                finish(op, mine[a:b], n)
+                piece[a:b].copy_(mine[a:b])
+            else:  # the same bits, folded into the region and copied out block by block in one pass
+                fold(mine[a:b], piece[a:b], operands)
+                finish(op, mine[a:b], n)
+                finish(op, piece[a:b], n)
         regions.step(everyone)
         for q in everyone:
             qa, qb = bounds[q], bounds[q + 1]

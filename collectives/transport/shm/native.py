@@ -1,4 +1,5 @@
-"""The one-shot all-reduce as one native call: ``oneshot.c``, built by ``scripts/setup.sh``.
+"""The one-shot all-reduce as one native call, and the two-shot's fold: ``oneshot.c``, built by
+``scripts/setup.sh``.
 
 A 4 KiB one-shot in Python is ~500 bytecodes of protocol (copy in, publish the step, wake,
 wait, compare signatures, fold, publish done) around two small torch calls; the same steps in
@@ -40,7 +41,7 @@ import subprocess
 import sysconfig
 import types
 import zlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -100,7 +101,7 @@ def build(compiler: str | None = None) -> pathlib.Path:
 
 def _load() -> types.ModuleType | None:
     if os.environ.get("RINGDDP_NATIVE", "1") == "0":
-        log.info("RINGDDP_NATIVE=0: the shm one-shot all-reduce runs in Python")
+        log.info("RINGDDP_NATIVE=0: the shm all-reduce (one-shot, two-shot fold) runs in Python")
         return None
     try:
         path = library_path()
@@ -112,7 +113,7 @@ def _load() -> types.ModuleType | None:
         loader.exec_module(module)
     except (ImportError, OSError) as exc:
         log.warning("native one-shot kernel not loaded (%s; `bash scripts/setup.sh` builds it): "
-                    "the shm one-shot all-reduce runs in Python", exc)
+                    "the shm all-reduce (one-shot, two-shot fold) runs in Python", exc)
         return None
     return module
 
@@ -142,6 +143,24 @@ def kernel() -> Callable[..., int] | None:
     oneshot.c), or None (see :func:`library`)."""
     module = library()
     return None if module is None else module.one_shot
+
+
+def fold_copy(dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], None] | None:
+    """``run(out, also, operands)``: ``out`` = the fold of ``operands`` in rank order (AVG as
+    SUM: the caller divides) and ``also`` = ``out``, a cache-sized block at a time, in one pass
+    (the two-shot's reduction of a slice: into this rank's region and its output; oneshot.c's
+    ``fold_copy``). Contiguous tensors of one size and ``dtype``; ``also`` may be one of the
+    operands. None where the kernel is not loaded or does not offer ``(dtype, op)``."""
+    found = codes(dtype, op)
+    lib = library()
+    if lib is None or found is None or not lib.offers(*found):
+        return None
+    d, o, fold = found[0], found[1], lib.fold_copy
+
+    def run(out: torch.Tensor, also: torch.Tensor, operands: Sequence[torch.Tensor]) -> None:
+        fold(d, o, out.data_ptr(), also.data_ptr(), out.numel(), *[x.data_ptr() for x in operands])
+
+    return run
 
 
 def plan(rank: int, world: int, dtype: torch.dtype, op: ReduceOp, numel: int,
