@@ -114,6 +114,9 @@ from .transport.base import SharedRegions
 
 #: all-reduce buffers up to this size divided by the world size use the one-shot algorithm.
 ONE_SHOT_BYTES = 2 << 20
+#: up to this many ranks, larger all-reduces of private buffers run one one-shot per piece
+#: instead of the two-shot (see the module docstring: a pair reads one peer's region).
+ONE_SHOT_PIECES_RANKS = 2
 
 
 #: single-copy transfers (``regions.cma``) from this many bytes per reader and owner, by op.
@@ -156,7 +159,9 @@ def _exchange_directly(
 
 
 def one_shot_limit(world_size: int) -> int:
-    """The largest all-reduce (bytes) that runs one-shot at ``world_size`` ranks (1 MiB at 2)."""
+    """The largest all-reduce (bytes) that runs one-shot at ``world_size`` ranks whatever its
+    buffer (1 MiB at 2); above it a buffer in symmetric memory takes :func:`all_reduce_symmetric`,
+    a private one the two-shot (at up to :data:`ONE_SHOT_PIECES_RANKS` ranks: one-shots)."""
     return ONE_SHOT_BYTES // max(1, world_size)
 
 
@@ -214,9 +219,10 @@ def _one_shot(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp, signature
 
 
 def one_shot_fits(regions: SharedRegions, nbytes: int) -> bool:
-    """Whether an all-reduce of ``nbytes`` runs one-shot on ``regions`` (:func:`one_shot_limit`,
-    and one piece)."""
-    return nbytes <= min(ONE_SHOT_BYTES // regions.world_size, regions.piece_bytes)
+    """Whether an all-reduce of ``nbytes`` runs one-shot on ``regions`` in one piece
+    (:func:`one_shot_limit`, or any piece at up to :data:`ONE_SHOT_PIECES_RANKS` ranks)."""
+    n = regions.world_size
+    return nbytes <= regions.piece_bytes and (n <= ONE_SHOT_PIECES_RANKS or nbytes <= ONE_SHOT_BYTES // n)
 
 
 def _planned_one_shot(regions: SharedRegions, numel: int, dtype: torch.dtype) -> bool:
@@ -269,7 +275,8 @@ def _finished(native: Callable[[torch.Tensor], None], n: int, buf: torch.Tensor)
 
 
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
-    """All-reduce ``buf`` in place: one-shot up to :func:`one_shot_limit`, two-shot above."""
+    """All-reduce ``buf`` in place: one-shot up to :func:`one_shot_limit`, two-shot above; at up
+    to :data:`ONE_SHOT_PIECES_RANKS` ranks one-shot, one piece at a time."""
     n, r = regions.world_size, regions.rank
     if n == 1 or buf.numel() == 0:
         finish(op, buf, n)
@@ -277,12 +284,14 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     everyone = range(n)
     numel, dtype = buf.numel(), buf.dtype
     signature = _signature("all_reduce", numel, dtype, op)
-    if one_shot_fits(regions, numel * dtype.itemsize):
-        if (native := regions.one_shot_kernel(numel, dtype, op, signature)) is not None:
-            native(buf)
-            finish(op, buf, n)
-        else:
-            _one_shot(regions, buf, op, signature)
+    if n <= ONE_SHOT_PIECES_RANKS or one_shot_fits(regions, numel * dtype.itemsize):
+        for lo, hi in _pieces(numel, regions.piece_bytes // dtype.itemsize):
+            piece = buf[lo:hi]
+            if (native := regions.one_shot_kernel(hi - lo, dtype, op, signature)) is not None:
+                native(piece)
+                finish(op, piece, n)
+            else:
+                _one_shot(regions, piece, op, signature)
         return
     fold = regions.fold_kernel(dtype, op)
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):

@@ -19,11 +19,12 @@ from collectives.transport.shm import native
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shared memory")
 
-#: regions of 64 KiB (pieces of 32 KiB): all-reduces up to 32 KiB run one-shot, larger ones two-shot.
+#: regions of 64 KiB (pieces of 32 KiB): all-reduces up to a piece run one-shot, larger ones one
+#: one-shot per piece at 2 ranks and two-shot at 3.
 REGION = "64K"
 #: one element; odd and below the kernel's block; above it and odd (3 ranks: its block loop;
-#: 8-byte dtypes: a two-shot of 2 pieces); a two-shot for every dtype (int8: 2 pieces, float64:
-#: 10, odd slices), whose slices the kernel folds and copies out (``fold_copy``) in blocks.
+#: 8-byte dtypes: 2 pieces); over a piece for every dtype (int8: 2 pieces, float64: 10, the
+#: two-shot's slices odd, folded and copied out by the kernel's ``fold_copy`` in blocks).
 SIZES = (1, 1001, 5003, 40_009)
 #: (dtype, op) pairs the kernel offers, and one it does not (the Python path under the same call).
 CASES = [(torch.float32, ReduceOp.SUM), (torch.float32, ReduceOp.AVG), (torch.float64, ReduceOp.PRODUCT),
@@ -88,13 +89,13 @@ def both_paths(rank: int, world_size: int, python_ranks: tuple[int, ...]) -> dic
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size, python_ranks", [(2, ()), (3, (1,))])
+@pytest.mark.parametrize("world_size, python_ranks", [(2, (1,)), (3, (1,))])
 def test_native_one_shot_gives_the_python_paths_bits_and_meets_it(world_size, python_ranks):
     """DESIGN §3: the kernel folds in rank order with the same IEEE operations, so every rank gets
     the Python reference's bits (here: the fold computed with torch), floats with inf, -0.0 and
-    a NaN, integers that wrap, in the one-shot and in the two-shot's fold of each rank's slice;
-    at 3 ranks rank 1 runs the Python path beside two native ranks in the same calls (one
-    protocol); a dtype/op the kernel does not offer takes the Python path."""
+    a NaN, integers that wrap, in one-shots (one piece or many) and in the two-shot's fold of
+    each rank's slice; rank 1 runs the Python path beside the native ranks in the same calls
+    (one protocol); a dtype/op the kernel does not offer takes the Python path."""
     if native.library() is None:
         buildable = shutil.which(os.environ.get("CC", "gcc")) and os.path.exists(
             os.path.join(sysconfig.get_paths()["include"], "Python.h"))
