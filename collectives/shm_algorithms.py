@@ -14,7 +14,9 @@ All-reduce, two-shot (after DeepSpeed's CPU ``inference_all_reduce``)
        (only rank ``r`` reads it, straight from the input); step.
     2. reduce-scatter by direct reads: rank ``r`` combines slice ``r`` of every rank, in rank
        order ``0, 1, ..., n-1``, into its region's slice ``r`` (AVG divides there), and copies
-       it to its output; step.
+       it to its output; step. Where the transport has the native kernel
+       (:meth:`~collectives.transport.base.SharedRegions.fold_kernel`), the fold and the copy
+       are one pass, block by block while the block is in cache (the same bits).
     3. all-gather by direct reads: rank ``r`` copies every peer's reduced slice into its output;
        end the piece.
 
@@ -37,6 +39,17 @@ All-reduce, one-shot (up to :func:`one_shot_limit`: ``ONE_SHOT_BYTES / n``)
     375 µs, 1 MiB 820 vs 961, 2 MiB 1349 vs 1658 (a busy machine, load 3-5).
     On ``shm`` the whole one-shot runs as one native call where the transport has the kernel
     (``transport/shm/oneshot.c``, the same steps and bits; :func:`_one_shot` is the reference).
+
+    At 2 ranks (:data:`ONE_SHOT_PIECES_RANKS`) every all-reduce of a private buffer runs
+    one-shot, one piece (half a region) at a time: ``σ`` per piece instead of the two-shot's
+    ``2σ``, for ``S`` more reads of local memory (a pair reads one peer's region either way).
+    On this machine (2 cores of an Intel Xeon since 2026-11-28; memcpy ~8-10 GB/s beyond 1 MiB)
+    the synchronisations cost more than the reads: 2 ranks, both algorithms alternating in the
+    same processes, median ms of 10 samples at load 5: 8 MiB 6.1 against 7.6 (two-shot with
+    the native fold; 10.0 without it), 16 MiB 12.8 / 14.8 / 17.2, 64 MiB 54 / 64 / 80, and
+    2-4 MiB 0.80-0.89x the two-shot's time. At 3 ranks it measured 0.87-0.90x, at 4 ranks
+    1.02-1.05x (reads grow with ``n``); those keep the two-shot. A buffer in symmetric memory
+    above :func:`one_shot_limit` still takes :func:`all_reduce_symmetric` (no copy in).
 
 Reduce-scatter
     Copy every chunk but one's own into the region; step; rank ``r`` combines chunk ``r`` of

@@ -22,6 +22,12 @@ half precision and anything else run the Python path. The one difference: where 
 with different payloads meet in a float sum or product, either payload may come out (C and
 torch may order the operands of ``+`` differently); both are NaN.
 
+The two-shot (above 2 ranks, past the one-shot's size) keeps its protocol in Python, a few
+steps per megabytes-sized piece; the kernel does its fold of a rank's slice (:func:`fold_copy`):
+into the rank's region and its output in one pass, 16 KiB at a time while they are in cache,
+instead of a fold and a copy that reads the region again (a 2 MiB slice 0.37 instead of 0.49
+ms, 8 MiB 1.45-1.50 instead of 1.93, single process).
+
 The module is built by the system C compiler against this interpreter's headers and named
 after a CRC of ``oneshot.c`` and the interpreter's ABI, so a changed source or another Python is
 never run from a stale build. When it cannot be loaded (not built: no compiler or no Python
