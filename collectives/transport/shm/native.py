@@ -151,7 +151,9 @@ def kernel() -> Callable[..., int] | None:
     return None if module is None else module.one_shot
 
 
-def fold_copy(dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], None] | None:
+def fold_copy(
+    dtype: torch.dtype, op: ReduceOp
+) -> Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], None] | None:
     """``run(out, also, operands)``: ``out`` = the fold of ``operands`` in rank order (AVG as
     SUM: the caller divides) and ``also`` = ``out``, a cache-sized block at a time, in one pass
     (the two-shot's reduction of a slice: into this rank's region and its output; oneshot.c's
