@@ -47,9 +47,9 @@ All-reduce, one-shot (up to :func:`one_shot_limit`: ``ONE_SHOT_BYTES / n``)
     the synchronisations cost more than the reads: 2 ranks, both algorithms alternating in the
     same processes, median ms of 10 samples at load 5: 8 MiB 6.1 against 7.6 (two-shot with
     the native fold; 10.0 without it), 16 MiB 12.8 / 14.8 / 17.2, 64 MiB 54 / 64 / 80, and
-    2-4 MiB 0.80-0.89x the two-shot's time. At 3 ranks it measured 0.87-0.90x, at 4 ranks
-    1.02-1.05x (reads grow with ``n``); those keep the two-shot. A buffer in symmetric memory
-    above :func:`one_shot_limit` still takes :func:`all_reduce_symmetric` (no copy in).
+    2-4 MiB 0.80-0.89x the two-shot's time. At 3 ranks it measured 0.78-0.90x, at 4 ranks
+    0.85-1.07x (reads grow with ``n``); both keep the two-shot for now (DESIGN §3). A buffer in
+    symmetric memory above :func:`one_shot_limit` still takes :func:`all_reduce_symmetric`.
 
 Reduce-scatter
     Copy every chunk but one's own into the region; step; rank ``r`` combines chunk ``r`` of
