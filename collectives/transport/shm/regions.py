@@ -20,7 +20,7 @@ import ctypes
 import logging
 import os
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -185,6 +185,12 @@ class Regions(SharedRegions):
 
         run.plan = plan  # type: ignore[attr-defined]  # what the kernel reads (and the arrays it holds) lives as long
         return run
+
+    def fold_kernel(
+        self, dtype: torch.dtype, op: ReduceOp
+    ) -> Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], None] | None:
+        """See :meth:`SharedRegions.fold_kernel`: :func:`.native.fold_copy`."""
+        return native.fold_copy(dtype, op) if self.world_size <= native.MAX_RANKS else None
 
     def checked_one_shot(
         self, name: str, numel: int, dtype: torch.dtype, op: ReduceOp, signature: int, header: wire.Header
