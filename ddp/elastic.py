@@ -461,14 +461,13 @@ class ShardedTrainer(_Trainer):
         state; any complete one will do."""
         n, me = group.size(), group.rank()
 
-        def source(split: tuple[int, ...], k: int) -> int | None:
-            """The lowest rank holding shard ``k`` of ``split``: its owner, else its replica."""
-            owner = [r for r in range(n) if holds[r] and layouts[r] == split and split.index(slots[r]) == k]
-            keeper = [r for r in range(n) if holds[r] and layouts[r] == split and split.index(slots[r]) == (k - 1) % len(split)]
-            return (owner or keeper or [None])[0]
+        def sources(split: tuple[int, ...]) -> list[int | None]:
+            """The rank holding each shard of ``split``: its owner, else the rank before it (the replica)."""
+            at = {split.index(slots[r]): r for r in range(n) if holds[r] and layouts[r] == split}  # position -> rank
+            return [at.get(k, at.get((k - 1) % len(split))) for k in range(len(split))]
 
         splits = sorted({layouts[r] for r in range(n) if holds[r] and layouts[r] is not None}, key=lambda split: (-len(split), split))
-        complete = [split for split in splits if all(source(split, k) is not None for k in range(len(split)))]
+        complete = [split for split in splits if None not in sources(split)]
         if not complete:
             raise StateLostError(
                 f"ddp.elastic: no split of the optimizer shards is held whole by the live members (splits over slots "
@@ -476,8 +475,7 @@ class ShardedTrainer(_Trainer):
             )
         split = complete[0]
         states = []
-        for k in range(len(split)):
-            src = source(split, k)
+        for k, src in enumerate(sources(split)):
             obj = [self.carry["own" if split.index(slots[me]) == k else "replica"] if me == src else None]
             collectives.broadcast_object_list(obj, src=group.ranks[src], group=group)
             states.append(obj[0])
